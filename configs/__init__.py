@@ -1,0 +1,1 @@
+"""Named presets, batching rules and tiny model configs (package data)."""

@@ -1,0 +1,1 @@
+"""Sequence-parallel attention, collectives and tile kernels."""

@@ -1,0 +1,1 @@
+"""Per-rank execution: process groups, the worker loop, pipelines."""

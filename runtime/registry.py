@@ -1,0 +1,78 @@
+"""Which pipeline serves a ``--model-path``.
+
+Built-in names (``tiny/k6sr``, ``tiny/flux``, ``test/allreduce``, ...) map straight to a
+pipeline class. A local diffusers directory is routed by its ``model_index.json``
+``_class_name``, or by ``--model-id`` when the directory was renamed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+from tilecast.runtime.pipeline import Pipeline
+
+logger = logging.getLogger(__name__)
+
+# built-in name -> "module:Class"
+BUILTIN_MODELS: dict[str, str] = {
+    "test/allreduce": "tilecast.runtime.probe:AllReducePipeline",
+    "tiny/k6sr": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+}
+
+# diffusers pipeline class name (model_index.json) -> "module:Class"
+DIFFUSERS_CLASSES: dict[str, str] = {
+    "Kandinsky6SRPipeline": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+}
+
+# substrings of a model id (--model-id, or the directory name) -> "module:Class"
+MODEL_ID_HINTS: dict[str, str] = {
+    "Kandinsky-6.0-VSR": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+}
+
+
+def _load(target: str) -> type[Pipeline]:
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipeline]:
+    """Return the pipeline class for ``model_path``; ``ValueError`` naming the problem otherwise."""
+    if model_path in BUILTIN_MODELS:
+        return _load(BUILTIN_MODELS[model_path])
+    if model_id:
+        for hint, target in MODEL_ID_HINTS.items():
+            if hint.lower() in model_id.lower():
+                return _load(target)
+        raise ValueError(
+            f"--model-id {model_id!r} names no known model family (known: {', '.join(MODEL_ID_HINTS)})"
+        )
+    path = Path(model_path)
+    if not path.exists():
+        builtin = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(
+            f"--model-path {model_path!r} is neither a built-in model ({builtin}) nor an existing directory"
+        )
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ValueError(f"{path} has no model_index.json: not a diffusers-format model directory")
+    try:
+        class_name = json.loads(index.read_text())["_class_name"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"{index} is not a valid model_index.json ({exc})") from exc
+    if class_name in DIFFUSERS_CLASSES:
+        return _load(DIFFUSERS_CLASSES[class_name])
+    for hint, target in MODEL_ID_HINTS.items():
+        if hint.lower() in path.name.lower():
+            return _load(target)
+    raise ValueError(
+        f"{path}: pipeline class {class_name!r} is not served by tilecast "
+        f"(supported: {', '.join(DIFFUSERS_CLASSES)}); pass --model-id for a renamed checkpoint"
+    )
+
+
+def register_builtin(name: str, target: str) -> None:
+    """Add a built-in model name (used by model families as they land)."""
+    BUILTIN_MODELS[name] = target
