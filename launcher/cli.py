@@ -1,0 +1,218 @@
+"""The ``tilecast`` command: serve, generate, topology, bench.
+
+``serve`` and ``generate`` validate everything first, then start ``--num-gpus`` ranks through
+torchrun, or run as one rank when already under torchrun (so ``torchrun --nnodes ... -m
+tilecast serve ...`` works across nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from tilecast.launcher import options as O
+from tilecast.runtime.config import ServeConfig
+
+app = typer.Typer(
+    name="tilecast", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Serve and run diffusion models on torchrun ranks.",
+)
+console = Console(stderr=True)
+logger = logging.getLogger(__name__)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+def _picker_backend(name: str | None) -> str:
+    """Our ``--attention-backend`` name in the picker's terms (platform | fa | torch_sdpa)."""
+    if name is None or name in ("auto", "platform"):
+        return "platform"
+    if name in ("fa", "flash_attn") :
+        return "fa"
+    return "torch_sdpa" if "sdpa" in name else name
+
+
+def _validate_topology(config: ServeConfig) -> None:
+    """The picker's rules for this command line, before any rank starts (exit 2 listing every error)."""
+    from tilecast.runtime.picker import detect_hardware, validate_serve_topology
+
+    num_heads = O.model_num_heads(config.model_path)
+    hardware = None
+    if config.device == "cuda":
+        import torch
+
+        hardware = detect_hardware(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    errors = validate_serve_topology(
+        config.num_gpus, config.tp_size, config.ulysses_degree, config.ring_degree, num_heads=num_heads,
+        attention_backend=_picker_backend(config.attention_backend), hardware=hardware,
+    )
+    if errors:
+        for error in errors:
+            console.print(f"[red]topology error:[/red] {error}")
+        raise typer.Exit(2)
+
+
+def _run_ranks(config: ServeConfig, entry) -> int:
+    """Under torchrun (or with one rank): run here. Otherwise: re-run this command on N ranks."""
+    from tilecast.runtime.distributed import under_torchrun
+
+    if under_torchrun():
+        world = int(__import__("os").environ["WORLD_SIZE"])
+        if world != config.num_gpus:
+            _fail(f"--num-gpus {config.num_gpus} but torchrun started {world} ranks (WORLD_SIZE)")
+        return entry()
+    if config.num_gpus == 1:
+        return entry()
+    from tilecast.launcher.torchrun import launch
+
+    return launch(config.num_gpus, sys.argv[1:])
+
+
+@app.command()
+def serve(
+    model_path: O.ModelPath = "tiny/k6sr",
+    model_id: O.ModelId = None,
+    num_gpus: O.NumGpus = 1,
+    tp_size: O.TpSize = None,
+    ulysses_degree: O.UlyssesDegree = None,
+    ring_degree: O.RingDegree = None,
+    device: O.Device = "cuda",
+    dtype: O.Dtype = None,
+    attention_backend: O.AttentionBackend = None,
+    parallel_tiling: O.ParallelTiling = "false",
+    parallel_decode: O.ParallelDecode = "false",
+    parallel_decode_mode: O.ParallelDecodeMode = "spatial_shard",
+    allowed_video_dir: O.AllowedVideoDir = None,
+    heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
+    stuck_timeout_s: O.StuckTimeout = 300.0,
+    host: Annotated[str, typer.Option("--host", help="Interface to bind (127.0.0.1 unless asked).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Scheduler port (ZeroMQ ROUTER).")] = 30010,
+    batching_mode: Annotated[str, typer.Option("--batching-mode", help="off | dynamic.")] = "off",
+    batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch (1: none).")] = 1,
+    batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms", help="Head-of-queue wait for companions.")] = 5.0,
+    batching_config: Annotated[Optional[Path], typer.Option("--batching-config", help="JSON batching rules.")] = None,
+    enable_batching_metrics: Annotated[bool, typer.Option("--enable-batching-metrics", help="Log dispatch and stats lines.")] = False,
+    max_queued_requests: Annotated[int, typer.Option("--max-queued-requests", help="Queue bound (overflow is refused).")] = 256,
+    max_message_mb: Annotated[float, typer.Option("--max-message-mb", help="Largest accepted message (ZMQ_MAXMSGSIZE).")] = 512.0,
+    output_dir: Annotated[Path, typer.Option("--output-dir", help="Where result files are written.")] = Path("outputs"),
+) -> None:
+    """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
+    try:
+        config = O.common_config(
+            model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
+            ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
+            attention_backend=attention_backend, parallel_tiling=parallel_tiling, parallel_decode=parallel_decode,
+            parallel_decode_mode=parallel_decode_mode, allowed_video_dir=allowed_video_dir,
+            heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
+            host=host, port=port, batching_mode=batching_mode, batching_max_size=batching_max_size,
+            batching_delay_ms=batching_delay_ms, batching_config=batching_config,
+            enable_batching_metrics=enable_batching_metrics, max_queued_requests=max_queued_requests,
+            max_message_mb=max_message_mb,
+        )
+        if batching_config is not None:
+            from tilecast.scheduler.batching_rules import BatchingRules
+
+            BatchingRules.load(batching_config)  # a bad rules file stops start-up here, before any rank starts
+        _validate_topology(config)
+    except ValueError as exc:
+        _fail(str(exc))
+
+    def entry() -> int:
+        from tilecast.runtime.server import serve as serve_rank
+
+        return serve_rank(config)
+
+    raise typer.Exit(_run_ranks(config, entry))
+
+
+@app.command()
+def generate(
+    model_path: O.ModelPath = "tiny/k6sr",
+    model_id: O.ModelId = None,
+    num_gpus: O.NumGpus = 1,
+    tp_size: O.TpSize = None,
+    ulysses_degree: O.UlyssesDegree = None,
+    ring_degree: O.RingDegree = None,
+    device: O.Device = "cuda",
+    dtype: O.Dtype = None,
+    attention_backend: O.AttentionBackend = None,
+    parallel_tiling: O.ParallelTiling = "false",
+    parallel_decode: O.ParallelDecode = "false",
+    parallel_decode_mode: O.ParallelDecodeMode = "spatial_shard",
+    heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
+    stuck_timeout_s: O.StuckTimeout = 300.0,
+    video_path: Annotated[Optional[Path], typer.Option("--video-path", help="Source video (SR).")] = None,
+    sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
+    sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
+    sr_tile_min_overlap: Annotated[Optional[float], typer.Option("--sr-tile-min-overlap")] = None,
+    sr_target_resolution: Annotated[Optional[str], typer.Option("--sr-target-resolution", help="hd | fullhd | 2k | WxH.")] = None,
+    sr_target_resize_mode: Annotated[Optional[str], typer.Option("--sr-target-resize-mode", help="fit | exact.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt")] = None,
+    width: Annotated[Optional[int], typer.Option("--width")] = None,
+    height: Annotated[Optional[int], typer.Option("--height")] = None,
+    num_frames: Annotated[Optional[int], typer.Option("--num-frames")] = None,
+    guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale")] = None,
+    num_inference_steps: Annotated[Optional[int], typer.Option("--num-inference-steps")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    save_output: Annotated[bool, typer.Option("--save-output/--no-save-output", help="Write the result file (always on).")] = True,
+    output_path: Annotated[Path, typer.Option("--output-path", help="Directory for the result.")] = Path("outputs"),
+    output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
+) -> None:
+    """Run one request offline on the same ranks and pipeline as ``serve``."""
+    if not save_output:
+        _fail("--no-save-output: tilecast generate always writes its result; use --output-path to choose where")
+    fields = {
+        "video_path": str(video_path.resolve()) if video_path else None,
+        "sr_resolution_scale": sr_resolution_scale, "sr_tiles_batch_size": sr_tiles_batch_size,
+        "sr_tile_min_overlap": sr_tile_min_overlap, "sr_target_resolution": sr_target_resolution,
+        "sr_target_resize_mode": sr_target_resize_mode, "prompt": prompt, "width": width, "height": height,
+        "num_frames": num_frames, "guidance_scale": guidance_scale, "num_inference_steps": num_inference_steps,
+        "seed": seed, "output_file_name": output_file_name,
+    }
+    fields = {key: value for key, value in fields.items() if value is not None}
+    if video_path is not None and not video_path.is_file():
+        _fail(f"--video-path {video_path} is not a file")
+    try:
+        config = O.common_config(
+            model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
+            ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
+            attention_backend=attention_backend, parallel_tiling=parallel_tiling, parallel_decode=parallel_decode,
+            parallel_decode_mode=parallel_decode_mode,
+            allowed_video_dir=[video_path.resolve().parent] if video_path else None,
+            heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_path,
+        )
+        _validate_topology(config)
+    except ValueError as exc:
+        _fail(str(exc))
+
+    def entry() -> int:
+        from tilecast.runtime.offline import generate as generate_rank
+
+        return generate_rank(config, fields)
+
+    raise typer.Exit(_run_ranks(config, entry))
+
+
+def _mount_subcommands() -> None:
+    from tilecast.launcher.topology_cli import topology_app
+
+    app.add_typer(topology_app, name="topology", help="Validate, pick and plan parallel topologies.")
+
+
+_mount_subcommands()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

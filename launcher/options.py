@@ -1,0 +1,84 @@
+"""Flags shared by ``serve`` and ``generate`` (SGLang's names), and their mapping onto ``ServeConfig``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tilecast.runtime.config import ServeConfig, VaeConfig
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_bool(value: str | bool, flag: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise typer.BadParameter(f"{flag} takes true or false, got {value!r}")
+
+
+ModelPath = Annotated[str, typer.Option("--model-path", help="Built-in model (tiny/k6sr, ...) or a local diffusers directory.")]
+ModelId = Annotated[Optional[str], typer.Option("--model-id", help="Model id that routes a renamed checkpoint directory.")]
+NumGpus = Annotated[int, typer.Option("--num-gpus", help="Number of ranks (GPUs, or CPU processes with --device cpu).")]
+TpSize = Annotated[Optional[int], typer.Option("--tp-size", help="Tensor-parallel degree (default 1).")]
+UlyssesDegree = Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree (default: picked from the GPU count and heads).")]
+RingDegree = Annotated[Optional[int], typer.Option("--ring-degree", help="Ring degree (default: picked from the GPU count and heads).")]
+Device = Annotated[str, typer.Option("--device", help="cuda or cpu.")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU).")]
+AttentionBackend = Annotated[Optional[str], typer.Option("--attention-backend", help="Attention backend (default: fastest correct one).")]
+ParallelTiling = Annotated[str, typer.Option("--vae-config.use-parallel-tiling", help="Whole-tile parallel decode: true|false.")]
+ParallelDecode = Annotated[str, typer.Option("--vae-config.use-parallel-decode", help="Spatial-shard decode: true|false.")]
+ParallelDecodeMode = Annotated[str, typer.Option("--vae-config.parallel-decode-mode", help="spatial_shard.")]
+AllowedVideoDir = Annotated[Optional[list[Path]], typer.Option("--allowed-video-dir", help="Directory whose files requests may name as video_path (repeatable).")]
+HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="A silent rank is dead after this many seconds.")]
+StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="Rank 0 log level.")]
+
+
+def model_num_heads(model_path: str) -> int | None:
+    """The DiT's attention heads (None for a built-in without a DiT, such as the test pipelines)."""
+    from tilecast.runtime.registry import BUILTIN_MODELS
+    from tilecast.runtime.topology import num_heads_from_checkpoint
+
+    if model_path.startswith("test/") and model_path in BUILTIN_MODELS:
+        return None
+    return num_heads_from_checkpoint(model_path)
+
+
+def common_config(
+    *, model_path: str, model_id: str | None, num_gpus: int, tp_size: int, ulysses_degree: int, ring_degree: int,
+    device: str, dtype: str | None, attention_backend: str | None, parallel_tiling: str, parallel_decode: str,
+    parallel_decode_mode: str, allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
+    stuck_timeout_s: float, output_dir: Path, **extra,
+) -> ServeConfig:
+    """Build the validated config; ``ValueError`` (shown as a usage error) names the bad value.
+
+    With none of the three degrees given, the layout is picked: the largest Ulysses degree that
+    divides both the GPU count and the model's heads, the rest in Ring."""
+    num_heads = model_num_heads(model_path)
+    if tp_size is None and ulysses_degree is None and ring_degree is None:
+        from tilecast.runtime.picker import suggest_topology
+
+        layout = suggest_topology(num_gpus, num_heads=num_heads or 0) if num_gpus >= 1 else None
+        tp_size, ulysses_degree, ring_degree = (1, layout.ulysses_degree, layout.ring_degree) if layout else (1, 1, 1)
+    tp_size, ulysses_degree, ring_degree = tp_size or 1, ulysses_degree or 1, ring_degree or 1
+    vae = VaeConfig(
+        use_parallel_tiling=parse_bool(parallel_tiling, "--vae-config.use-parallel-tiling"),
+        use_parallel_decode=parse_bool(parallel_decode, "--vae-config.use-parallel-decode"),
+        parallel_decode_mode=parallel_decode_mode,
+    )
+    return ServeConfig(
+        model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
+        ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
+        attention_backend=attention_backend, vae=vae,
+        allowed_video_dirs=tuple(p.resolve() for p in (allowed_video_dir or [])),
+        heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
+        **extra,
+    )

@@ -1,0 +1,128 @@
+"""Server-wide settings: one validated value the CLI maps its flags onto.
+
+Every rank builds the same ``ServeConfig`` from the same command line (torchrun passes it on),
+so no setting is ever negotiated between ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+PARALLEL_DECODE_MODES = ("spatial_shard",)
+
+
+@dataclasses.dataclass(kw_only=True)
+class VaeConfig:
+    use_parallel_tiling: bool = False
+    """Deal whole tiles to the ranks of the decode group (bit-exact to serial)."""
+    use_parallel_decode: bool = False
+    """Split each tile's height across the decode group (halo exchange; not bit-exact)."""
+    parallel_decode_mode: str = "spatial_shard"
+    """How ``use_parallel_decode`` splits a tile; only ``spatial_shard`` exists."""
+
+    def __post_init__(self) -> None:
+        if self.parallel_decode_mode not in PARALLEL_DECODE_MODES:
+            raise ValueError(
+                f"--vae-config.parallel-decode-mode must be one of {PARALLEL_DECODE_MODES},"
+                f" got {self.parallel_decode_mode!r}"
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeConfig:
+    model_path: str = "tiny/k6sr"
+    """A built-in model name (``tiny/k6sr``, ...) or a local diffusers-format directory."""
+    model_id: str | None = None
+    """Routing hint for a renamed checkpoint directory (e.g. ``Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers``)."""
+    num_gpus: int = 1
+    """Number of ranks to run (GPUs on CUDA, processes on CPU)."""
+    tp_size: int = 1
+    """Tensor-parallel degree of the DiT's linear layers."""
+    ulysses_degree: int = 1
+    """Ulysses (all-to-all) sequence-parallel degree."""
+    ring_degree: int = 1
+    """Ring sequence-parallel degree."""
+    device: str = "cuda"
+    """``cuda`` or ``cpu``."""
+    dtype: str | None = None
+    """Compute dtype; default bfloat16 on CUDA, float32 on CPU."""
+    host: str = "127.0.0.1"
+    """Interface the scheduler's ROUTER socket binds (another one only when asked)."""
+    port: int = 30010
+    """Port of the scheduler's ROUTER socket (0: pick a free one)."""
+    attention_backend: str | None = None
+    """Attention backend name (None: the fastest correct one for the device)."""
+    vae: VaeConfig = dataclasses.field(default_factory=VaeConfig)
+    """Parallel decode settings (``--vae-config.*``)."""
+    batching_mode: str = "off"
+    """``off`` or ``dynamic``."""
+    batching_max_size: int = 1
+    """Largest merged batch (1: no batching)."""
+    batching_delay_ms: float = 5.0
+    """How long the head of the queue may wait for companions."""
+    batching_config: Path | None = None
+    """JSON rules file with per-model/resolution caps."""
+    enable_batching_metrics: bool = False
+    """Log one line per dispatch and a summary every few dispatches."""
+    max_queued_requests: int = 256
+    """Queue bound; a submit beyond it is refused at once as overloaded."""
+    max_message_mb: float = 512.0
+    """Largest accepted ZeroMQ message (ZMQ_MAXMSGSIZE); bigger ones are dropped."""
+    heartbeat_timeout_s: float = 10.0
+    """A rank silent this long is declared dead and every job fails."""
+    stuck_timeout_s: float = 300.0
+    """A busy rank without progress this long is declared stuck and every job fails."""
+    output_dir: Path = Path("outputs")
+    """Where the output rank writes result files."""
+    allowed_video_dirs: tuple[Path, ...] = ()
+    """Directories whose files a request's ``video_path`` may name."""
+
+    def __post_init__(self) -> None:
+        self.output_dir = Path(self.output_dir)
+        if self.batching_config is not None:
+            self.batching_config = Path(self.batching_config)
+        self.allowed_video_dirs = tuple(Path(p) for p in self.allowed_video_dirs)
+        for name in ("num_gpus", "tp_size", "ulysses_degree", "ring_degree", "batching_max_size",
+                     "max_queued_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.batching_mode not in ("off", "dynamic"):
+            raise ValueError(f"--batching-mode must be off or dynamic, got {self.batching_mode!r}")
+        if self.batching_delay_ms < 0:
+            raise ValueError(f"--batching-delay-ms must be >= 0, got {self.batching_delay_ms}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"--max-message-mb must be > 0, got {self.max_message_mb}")
+        if self.heartbeat_timeout_s <= 1.0:
+            raise ValueError(f"--heartbeat-timeout-s must be > 1, got {self.heartbeat_timeout_s}")
+        if self.stuck_timeout_s <= 0:
+            raise ValueError(f"--stuck-timeout-s must be > 0, got {self.stuck_timeout_s}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port if self.port else '*'}"
+
+    def pipeline_options(self) -> dict:
+        """What pipelines read from ``RankContext.options``."""
+        return {
+            "model_id": self.model_id,
+            "dtype": self.resolved_dtype,
+            "attention_backend": self.attention_backend,
+            "allowed_video_dirs": [str(p) for p in self.allowed_video_dirs],
+            "tp_size": self.tp_size,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
+            "vae": dataclasses.asdict(self.vae),
+        }

@@ -1,0 +1,122 @@
+"""Process groups for one tilecast run, and the plan broadcast over the CPU group.
+
+Under torchrun every rank calls ``init_ranks``: gloo on CPU; on CUDA, NCCL for device tensors
+plus a gloo group for plans and small CPU collectives. Outside torchrun (one rank, no
+``RANK`` in the environment) no process group is created and broadcasts are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from tilecast.scheduler import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: torchrun's own teardown still applies
+        pass
+
+
+@dataclasses.dataclass(kw_only=True)
+class Ranks:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    cpu_group: object | None
+    """gloo group over all ranks (None with one rank and no torchrun)."""
+    device_group: object | None
+    """Group for device tensors: NCCL on CUDA, the gloo group on CPU."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.cpu_group is not None
+
+
+def init_ranks(device: str, *, timeout_s: float) -> Ranks:
+    """Create the process groups for ``device`` (``cpu`` or ``cuda``)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available on this machine")
+    if not under_torchrun():
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        return Ranks(rank=0, world_size=1, local_rank=0, device=dev, cpu_group=None, device_group=None)
+
+    die_with_parent()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        device_group = dist.group.WORLD
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+        cpu_group = device_group = dist.group.WORLD
+    logger.debug("rank %d/%d up on %s", rank, world_size, dev)
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank, device=dev,
+                 cpu_group=cpu_group, device_group=device_group)
+
+
+def shutdown_ranks(ranks: Ranks) -> None:
+    if ranks.distributed and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+def broadcast_bytes(data: bytes | None, ranks: Ranks) -> bytes:
+    """Rank 0's ``data`` on every rank (length first, then the bytes)."""
+    if not ranks.distributed:
+        assert data is not None
+        return data
+    length = torch.tensor([len(data) if ranks.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(length, src=0, group=ranks.cpu_group)
+    if ranks.rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.broadcast(buf, src=0, group=ranks.cpu_group)
+    return data if ranks.rank == 0 else buf.numpy().tobytes()
+
+
+def broadcast_plan(plan: P.Plan | None, ranks: Ranks) -> P.Plan:
+    """Rank 0 passes the plan; every rank returns it."""
+    data = broadcast_bytes(P.encode_plan(plan) if ranks.rank == 0 else None, ranks)
+    return plan if ranks.rank == 0 else P.decode_plan(data)
+
+
+def all_ranks_ok(ok: bool, ranks: Ranks) -> bool:
+    """True when ``ok`` holds on every rank (so all ranks agree a unit of work failed)."""
+    if not ranks.distributed:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.cpu_group)
+    return bool(flag.item())

@@ -1,0 +1,100 @@
+"""``test/allreduce``: a small pipeline that does real work on every rank, for testing the spine.
+
+Each rank contributes a seeded partial tensor; an all-reduce over the device group sums them;
+the output rank writes the sum to a file and returns it as a tensor. Knobs make a unit of work
+slow, fail, or hang on one rank, so the scheduler's failure paths can be exercised for real.
+When ``TILECAST_PROBE_LOG_DIR`` is set, every rank appends the job ids it executed, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
+
+logger = logging.getLogger(__name__)
+
+
+class ProbeParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    size: int = 4
+    """Length of the summed vector."""
+    seed: int = 0
+    """Seeds each rank's partial tensor (per request)."""
+    steps: int = 1
+    """All-reduces per request (progress ticks)."""
+    sleep_s: float = 0.0
+    """Sleep per step on every rank (a slow unit of work)."""
+    fail: str | None = None
+    """Raise ValueError with this message on every rank (a failing request)."""
+    hang_rank: int | None = None
+    """This rank stops making progress (a stuck rank)."""
+
+
+class AllReducePipeline(Pipeline):
+    family = "probe"
+    task = "probe"
+    params_type = ProbeParams
+    max_batch_size = 8
+    per_request_fields = ("seed",)
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.log_dir = os.environ.get("TILECAST_PROBE_LOG_DIR")
+
+    @classmethod
+    def load(cls, model_path: str, ctx: RankContext) -> "AllReducePipeline":
+        return cls(ctx)
+
+    def prepare(self, params: ProbeParams, uploads: dict[str, bytes]) -> ProbeParams:
+        if params.size < 0 or params.size > 1 << 20:
+            raise ValueError(f"size must be in 0..{1 << 20}, got {params.size}")
+        if params.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {params.steps}")
+        return params
+
+    def _partial(self, params: ProbeParams, rank: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(params.seed * 1000 + rank)
+        return torch.randn(params.size, generator=gen, dtype=torch.float64) + rank
+
+    def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
+        if self.log_dir:
+            with open(Path(self.log_dir, f"rank{ctx.rank}.log"), "a") as log:
+                log.write(json.dumps([item.job_id for item in items]) + "\n")
+        outputs = []
+        for item in items:
+            params: ProbeParams = item.params
+            if params.fail:
+                raise ValueError(params.fail)
+            total = torch.zeros(params.size, dtype=torch.float64)
+            for step in range(params.steps):
+                if params.hang_rank == ctx.rank:
+                    logger.warning("rank %d: hanging on purpose (hang_rank)", ctx.rank)
+                    while True:
+                        time.sleep(3600)
+                if params.sleep_s:
+                    time.sleep(params.sleep_s)
+                partial = self._partial(params, ctx.rank).to(ctx.device)
+                if ctx.device_group is not None:
+                    dist.all_reduce(partial, group=ctx.device_group)
+                total = partial.cpu()
+                ctx.progress(step + 1, params.steps)
+            out = Output(tensors={"sum": total}, info={"world_size": ctx.world_size})
+            if ctx.is_output_rank:
+                path = ctx.output_dir / f"{item.job_id}.json"
+                path.write_text(json.dumps(total.tolist()))
+                out.files.append(OutputFile(name=path.name, path=path, mime="application/json"))
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def expected_sum(params: ProbeParams, world_size: int) -> torch.Tensor:
+        """What a correct run over ``world_size`` ranks returns (for tests)."""
+        probe = AllReducePipeline.__new__(AllReducePipeline)
+        return sum(probe._partial(params, rank) for rank in range(world_size))

@@ -1,0 +1,107 @@
+"""Start-up shared by ``serve`` and ``generate`` on every rank: logging, signals, process groups,
+the pipeline, and the agreement that every rank loaded it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.distributed import Ranks, all_ranks_ok, init_ranks
+from tilecast.runtime.pipeline import Pipeline, RankContext
+from tilecast.runtime.registry import resolve_pipeline
+from tilecast.runtime.watchdog import ProgressBeat
+
+logger = logging.getLogger(__name__)
+
+
+def configure_logging(rank: int, level: str = "INFO") -> None:
+    """Rank 0 logs at ``level``; other ranks only warnings, each line tagged with its rank."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
+    for noisy in ("diffusers", "transformers", "torch", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+class SignalWatcher(threading.Thread):
+    """Receives SIGINT/SIGTERM in a thread of its own (blocked everywhere else), so a main thread
+    stuck inside a collective cannot delay shutdown."""
+
+    SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
+        super().__init__(name="tilecast-signals", daemon=True)
+        self.on_signal = on_signal
+
+    @classmethod
+    def install(cls, on_signal: Callable[[int], None]) -> "SignalWatcher":
+        # Block before any other thread exists, so every later thread inherits the mask.
+        signal.pthread_sigmask(signal.SIG_BLOCK, cls.SIGNALS)
+        watcher = cls(on_signal)
+        watcher.start()
+        return watcher
+
+    def run(self) -> None:
+        signum = signal.sigwait(self.SIGNALS)
+        self.on_signal(signum)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RankRuntime:
+    config: ServeConfig
+    ranks: Ranks
+    pipeline: Pipeline
+    ctx: RankContext
+    beat: ProgressBeat
+
+
+def write_pid_file(rank: int) -> None:
+    """Let the launcher find and reap this rank should torchrun leave it behind."""
+    run_dir = os.environ.get("TILECAST_RUN_DIR")
+    if run_dir:
+        Path(run_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+
+
+def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] | None = None) -> RankRuntime:
+    """Process groups, pipeline load on every rank; raises on every rank if any rank failed to load."""
+    ranks = init_ranks(config.device, timeout_s=config.stuck_timeout_s + 60.0)
+    write_pid_file(ranks.rank)
+    beat = ProgressBeat()
+
+    def progress(done: int, total: int) -> None:
+        beat.tick()
+        if on_progress is not None:
+            on_progress(done, total)
+
+    if ranks.rank == 0:
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+    ctx = RankContext(
+        rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, cpu_group=ranks.cpu_group,
+        device_group=ranks.device_group, output_dir=config.output_dir, options=config.pipeline_options(),
+        on_progress=progress,
+    )
+    error = None
+    pipeline = None
+    try:
+        pipeline_cls = resolve_pipeline(config.model_path, config.model_id)
+        pipeline = pipeline_cls.load(config.model_path, ctx)
+        pipeline.model_name = config.model_id or config.model_path
+    except Exception as exc:  # noqa: BLE001 - every rank must learn about it before anyone proceeds
+        error = exc
+    if not all_ranks_ok(error is None, ranks):
+        if error is not None:
+            raise error
+        raise RuntimeError("another rank failed to load the model (see its log)")
+    return RankRuntime(config=config, ranks=ranks, pipeline=pipeline, ctx=ctx, beat=beat)

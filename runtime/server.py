@@ -1,0 +1,157 @@
+"""``tilecast serve`` on one rank.
+
+Rank 0 runs the router socket thread, the scheduler thread and the watchdog, and computes in
+its main thread; every other rank computes and sends heartbeats. A dead or stuck rank, a failed
+collective or a signal ends the whole run: every job gets a terminal state and a clear error,
+then rank 0 exits (non-zero on failure), which makes torchrun stop the remaining ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.distributed import broadcast_bytes, shutdown_ranks
+from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
+from tilecast.runtime.watchdog import HeartbeatSender, Watchdog, WatchdogConfig
+from tilecast.runtime.worker import compute_loop, queue_source
+from tilecast.scheduler.batching import BatchingConfig
+from tilecast.scheduler.batching_rules import BatchingRules
+from tilecast.scheduler.io_thread import SocketThread
+from tilecast.scheduler.scheduler import DEAD, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def batching_config(config: ServeConfig) -> BatchingConfig:
+    rules = BatchingRules.load(config.batching_config) if config.batching_config else None
+    return BatchingConfig(
+        mode=config.batching_mode, max_size=config.batching_max_size, delay_ms=config.batching_delay_ms,
+        rules=rules, enable_metrics=config.enable_batching_metrics,
+    )
+
+
+class RankZero:
+    """Rank 0's threads and the one-way door to a terminal exit."""
+
+    def __init__(self, rt: RankRuntime, *, exit_process: bool = True) -> None:
+        config = rt.config
+        self.rt = rt
+        self.exit_process = exit_process
+        self.scheduler = Scheduler(
+            pipeline=rt.pipeline, send=self._send, batching=batching_config(config),
+            max_queued=config.max_queued_requests, world_size=rt.ranks.world_size,
+        )
+        self.sockets = SocketThread(
+            config.endpoint, lambda identity, frames: self.scheduler.inbox.put(("msg", identity, frames)),
+            max_message_bytes=int(config.max_message_mb * 2**20),
+        )
+        self.watchdog = Watchdog(
+            world_size=rt.ranks.world_size, beat=rt.beat,
+            config=WatchdogConfig(heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                  stuck_timeout_s=config.stuck_timeout_s),
+            on_fatal=self.fail,
+        )
+        self._exit_lock = threading.Lock()
+        self._exiting = False
+
+    def _send(self, identity: bytes, frames: list) -> None:
+        self.sockets.send(identity, frames)
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self.sockets.start()
+        self.watchdog.start()
+
+    def fail(self, reason: str, *, exit_code: int = 1) -> None:
+        """Fail every job with ``reason``, flush the replies, exit the process (when it owns it)."""
+        with self._exit_lock:
+            if self._exiting:
+                return
+            self._exiting = True
+        logger.error("tilecast: %s; failing all jobs and exiting", reason)
+        self.scheduler.inbox.put(("fatal", reason))
+        deadline = time.monotonic() + 3.0
+        while self.scheduler.status != DEAD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # let the last replies reach the socket thread
+        self.sockets.stop()
+        self.watchdog.stop()
+        if self.exit_process:
+            logging.shutdown()
+            os._exit(exit_code)
+
+    def dead_worker(self) -> str | None:
+        """Name a worker rank whose process is gone, if any (for a clearer error)."""
+        for rank, pid in sorted(self.watchdog.pids.items()):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"rank {rank} (pid {pid}) died"
+            except PermissionError:
+                pass
+        return None
+
+    def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        dead = self.dead_worker()
+        if dead:
+            self.fail(f"{dead}; the launcher stopped the remaining ranks ({name})")
+        else:
+            self.fail(f"server stopped by {name}", exit_code=0)
+
+
+def serve(config: ServeConfig) -> int:
+    """Entry point on every rank; returns the process exit code."""
+    holder: dict = {}
+
+    def on_signal(signum: int) -> None:
+        if "zero" in holder:
+            holder["zero"].on_signal(signum)
+        else:
+            os._exit(0 if signum == signal.SIGINT else 128 + signum)
+
+    SignalWatcher.install(on_signal)
+    configure_logging(int(os.environ.get("RANK", "0")))
+    rt = start_rank(config)
+    ranks = rt.ranks
+    if ranks.rank == 0:
+        zero = RankZero(rt)
+        holder["zero"] = zero
+        endpoint = zero.watchdog.endpoint
+        broadcast_bytes(endpoint.encode(), ranks)
+        zero.start()
+        logger.info(
+            "tilecast serving %s on %s: %d rank(s), device %s, batching %s",
+            rt.pipeline.model_name, zero.sockets.bound_endpoint, ranks.world_size, config.device,
+            f"dynamic (max {config.batching_max_size})" if zero.scheduler.batching.user_max > 1 else "off",
+        )
+        try:
+            compute_loop(
+                ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
+                next_plan=queue_source(zero.scheduler.work),
+                on_done=lambda seq, result: zero.scheduler.inbox.put(("done", seq, result)),
+            )
+        except Exception as exc:  # noqa: BLE001 - a broken collective ends the run
+            zero.fail(f"a collective failed ({type(exc).__name__}: {exc}); a rank probably died")
+        zero.watchdog.stop()
+        time.sleep(0.3)  # final replies (shutdown acknowledgements) reach the socket thread
+        zero.sockets.stop()
+        logger.info("tilecast stopped")
+    else:
+        endpoint = broadcast_bytes(None, ranks).decode()
+        sender = HeartbeatSender(endpoint, ranks.rank, rt.beat, WatchdogConfig().heartbeat_interval_s)
+        sender.start()
+        try:
+            compute_loop(ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat, next_plan=None, on_done=None)
+        except Exception as exc:  # noqa: BLE001
+            logger.error("rank %d: collective failed (%s); exiting", ranks.rank, exc)
+            os._exit(1)
+        sender.stop()
+    rt.pipeline.close()
+    shutdown_ranks(ranks)
+    return 0

@@ -1,0 +1,164 @@
+"""Heartbeats from every rank and the rank-0 watchdog that turns silence into a clear failure.
+
+Each worker rank runs a ``HeartbeatSender`` thread (a ZeroMQ PUSH socket to rank 0) reporting
+its progress counter. Rank 0's ``Watchdog`` thread declares the server dead when a rank's
+heartbeats stop (the process died) or when a busy rank's counter stops moving (it is stuck),
+well before any collective timeout would fire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressBeat:
+    """A counter the compute loop bumps whenever it makes progress (thread-safe enough: one writer)."""
+
+    def __init__(self) -> None:
+        self.counter = 0
+        self.busy = False
+
+    def tick(self) -> None:
+        self.counter += 1
+
+    def set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.counter += 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class WatchdogConfig:
+    heartbeat_interval_s: float = 0.5
+    """How often every rank reports."""
+    heartbeat_timeout_s: float = 10.0
+    """A rank silent this long is dead."""
+    stuck_timeout_s: float = 300.0
+    """A busy rank whose progress counter has not moved this long is stuck."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "stuck_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice the heartbeat interval"
+                f" ({self.heartbeat_interval_s})"
+            )
+
+
+def heartbeat_host() -> str:
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        return socket.gethostbyname(addr)
+    except OSError:
+        return "127.0.0.1"
+
+
+class HeartbeatSender(threading.Thread):
+    def __init__(self, endpoint: str, rank: int, beat: ProgressBeat, interval_s: float) -> None:
+        super().__init__(name=f"tilecast-heartbeat-{rank}", daemon=True)
+        self.endpoint, self.rank, self.beat, self.interval_s = endpoint, rank, beat, interval_s
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10)
+        sock.connect(self.endpoint)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._halt.is_set():
+                try:
+                    sock.send(encoder.encode([self.rank, os.getpid(), self.beat.counter, self.beat.busy]), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                self._halt.wait(self.interval_s)
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+class Watchdog(threading.Thread):
+    """Rank 0: collects heartbeats, calls ``on_fatal(reason)`` once when a rank dies or sticks."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        beat: ProgressBeat,
+        config: WatchdogConfig,
+        on_fatal: Callable[[str], None],
+        clock=time.monotonic,
+    ) -> None:
+        super().__init__(name="tilecast-watchdog", daemon=True)
+        self.world_size, self.beat, self.config, self.on_fatal, self.clock = world_size, beat, config, on_fatal, clock
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{heartbeat_host()}")
+        self.endpoint = f"tcp://{heartbeat_host()}:{port}"
+        self._halt = threading.Event()
+        now = clock()
+        self.last_seen = {rank: now for rank in range(1, world_size)}
+        self.progress = {rank: (-1, now) for rank in range(world_size)}
+        self.busy = {rank: False for rank in range(world_size)}
+        self.pids: dict[int, int] = {}
+        self.fired = False
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        decoder = msgspec.msgpack.Decoder()
+        try:
+            while not self._halt.is_set():
+                if self._sock.poll(int(self.config.heartbeat_interval_s * 1000)):
+                    while True:
+                        try:
+                            rank, pid, counter, busy = decoder.decode(self._sock.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        self._observe(rank, counter, busy)
+                        self.last_seen[rank] = self.clock()
+                        self.pids[rank] = pid
+                self._observe(0, self.beat.counter, self.beat.busy)
+                reason = self.check()
+                if reason and not self.fired:
+                    self.fired = True
+                    self.on_fatal(reason)
+        finally:
+            self._sock.close()
+
+    def _observe(self, rank: int, counter: int, busy: bool) -> None:
+        self.busy[rank] = busy
+        if self.progress[rank][0] != counter:
+            self.progress[rank] = (counter, self.clock())
+
+    def check(self) -> str | None:
+        """The reason the server is dead, or None."""
+        now = self.clock()
+        for rank, seen in self.last_seen.items():
+            silent = now - seen
+            if silent > self.config.heartbeat_timeout_s:
+                return f"rank {rank} sent no heartbeat for {silent:.1f} s (process died or hung hard)"
+        for rank, (_, changed_at) in self.progress.items():
+            idle_for = now - changed_at
+            if self.busy[rank] and idle_for > self.config.stuck_timeout_s:
+                return f"rank {rank} made no progress for {idle_for:.1f} s (stuck; --stuck-timeout-s)"
+        # Rank 0 idles by broadcasting every second; a silent rank 0 counter means its loop is blocked.
+        counter0, changed0 = self.progress[0]
+        if not self.busy[0] and now - changed0 > self.config.stuck_timeout_s:
+            return f"rank 0 loop made no progress for {now - changed0:.1f} s (stuck)"
+        return None

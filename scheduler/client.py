@@ -1,0 +1,385 @@
+"""``Client`` (threads) and ``AsyncClient`` (asyncio) for a tilecast server.
+
+Both share one base: request building, reply decoding, errors and the dead-server rule. A
+blocking wait that hears nothing from the server for ``heartbeat_s`` asks for ``health``; no
+answer within ``dead_after_s`` raises ``ServerDeadError`` instead of waiting forever.
+
+Imports msgspec and pyzmq only (torch lazily, for ``JobResult.tensor``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tilecast.scheduler import protocol as P
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:30010"
+
+
+class TilecastError(Exception):
+    """Base of every client error."""
+
+
+class ServerError(TilecastError):
+    """The server refused a request (``code``: bad_request, overloaded, not_found, server_dead, stopping)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class ServerDeadError(TilecastError):
+    """The server stopped answering, or reported that a rank died."""
+
+
+class JobFailedError(TilecastError):
+    """The job ended failed or cancelled."""
+
+    def __init__(self, job: P.JobInfo) -> None:
+        super().__init__(f"job {job.job_id} {job.state}: {job.error}")
+        self.job = job
+
+
+@dataclasses.dataclass
+class OutputItem:
+    name: str
+    kind: str
+    mime: str
+    data: bytes | None
+    """The file bytes or raw tensor bytes (None when only the server-side path was asked for)."""
+    path: str | None
+    meta: P.OutputMeta
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        if self.data is None:
+            raise ValueError(f"{self.name}: only the server-side path {self.path} was returned")
+        target = Path(directory) / self.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(self.data)
+        return target
+
+
+@dataclasses.dataclass
+class JobResult:
+    job: P.JobInfo
+    outputs: list[OutputItem]
+    info: dict[str, Any]
+
+    @property
+    def files(self) -> list[OutputItem]:
+        return [item for item in self.outputs if item.kind == "file"]
+
+    def tensor(self, name: str):
+        for item in self.outputs:
+            if item.kind == "tensor" and item.name == name:
+                return P.frame_to_tensor(item.meta, item.data)
+        raise KeyError(f"no tensor output {name!r}")
+
+
+def _submit_frames(req_id: int, fields: dict[str, Any], model: str | None) -> list:
+    params, names, payloads = {}, [], []
+    for key, value in fields.items():
+        if key == "video" and value is not None:
+            data = value if isinstance(value, (bytes, bytearray, memoryview)) else Path(value).read_bytes()
+            names.append("video")
+            payloads.append(bytes(data))
+        else:
+            params[key] = str(value) if isinstance(value, os.PathLike) else value
+    return P.encode(P.SubmitRequest(req_id=req_id, params=params, uploads=names, model=model), *payloads)
+
+
+def _result_from(reply: P.ResultReply, payloads: list) -> JobResult:
+    outputs, frames = [], iter(payloads)
+    for meta in reply.outputs:
+        data = None if meta.path is not None else bytes(next(frames))
+        outputs.append(OutputItem(name=meta.name, kind=meta.kind, mime=meta.mime, data=data, path=meta.path, meta=meta))
+    return JobResult(job=reply.job, outputs=outputs, info=dict(reply.info))
+
+
+def _check(msg) -> Any:
+    if isinstance(msg, P.ErrorReply):
+        if msg.code == "server_dead":
+            raise ServerDeadError(msg.message)
+        raise ServerError(msg.code, msg.message)
+    return msg
+
+
+def _finished(result: JobResult) -> JobResult:
+    if result.job.state != "completed":
+        if result.job.error and result.job.error.startswith("server dead"):
+            raise ServerDeadError(result.job.error)
+        raise JobFailedError(result.job)
+    return result
+
+
+class _Base:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float = 30.0, heartbeat_s: float = 2.0,
+                 dead_after_s: float = 10.0, model: str | None = None) -> None:
+        self.endpoint, self.timeout, self.heartbeat_s, self.dead_after_s = endpoint, timeout, heartbeat_s, dead_after_s
+        self.model = model
+        self._ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+
+    def _next_id(self) -> int:
+        with self._ids_lock:
+            return next(self._ids)
+
+    def _socket(self, context: zmq.Context):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        sock.connect(self.endpoint)
+        return sock
+
+
+class Client(_Base):
+    """Blocking client, safe to share between threads."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, **kwargs) -> None:
+        super().__init__(endpoint, **kwargs)
+        self._context = zmq.Context.instance()
+        self._pending: dict[int, Future] = {}
+        self._outbox: "queue.Queue[list]" = queue.Queue()
+        self._wake = f"inproc://tilecast-client-{uuid.uuid4().hex}"
+        self._wake_pull = self._context.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake)
+        self._wake_push = self._context.socket(zmq.PUSH)
+        self._wake_push.connect(self._wake)
+        self._wake_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._io, name="tilecast-client", daemon=True)
+        self._thread.start()
+
+    # -- io thread
+    def _io(self) -> None:
+        sock = self._socket(self._context)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        try:
+            while not self._closed.is_set():
+                events = dict(poller.poll(200))
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                while True:
+                    try:
+                        sock.send_multipart(self._outbox.get_nowait(), copy=False)
+                    except queue.Empty:
+                        break
+                if sock in events:
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._deliver(frames)
+        finally:
+            sock.close(linger=0)
+
+    def _deliver(self, frames: list) -> None:
+        try:
+            msg, payloads = P.decode(frames, allowed=P.REPLY_TYPES)
+        except P.WireError:
+            return
+        future = self._pending.pop(msg.req_id, None)
+        if future is not None and not future.done():
+            future.set_result((msg, payloads))
+
+    # -- calls
+    def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
+        req_id = self._next_id()
+        future: Future = Future()
+        self._pending[req_id] = future
+        self._outbox.put(frames_for(req_id))
+        with self._wake_lock:
+            self._wake_push.send(b"")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                step = self.heartbeat_s if wait_long else self.dead_after_s
+                if deadline is not None:
+                    step = min(step, max(0.0, deadline - time.monotonic()))
+                try:
+                    return future.result(timeout=step)
+                except FutureTimeout:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
+                    if not wait_long:
+                        raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+                    self.health()  # raises ServerDeadError when the server is gone
+        finally:
+            self._pending.pop(req_id, None)
+
+    def submit(self, **fields) -> str:
+        """Queue a request; returns its job id."""
+        msg, _ = self._call(lambda rid: _submit_frames(rid, fields, self.model), self.timeout)
+        return _check(msg).job_id
+
+    def status(self, job_id: str) -> P.JobInfo:
+        msg, _ = self._call(lambda rid: P.encode(P.StatusRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    def result(self, job_id: str, *, wait: bool = True, timeout: float | None = None,
+               as_paths: bool = False) -> JobResult:
+        """The job's result; with ``wait`` block until it is terminal (``TimeoutError`` after ``timeout``)."""
+        request = lambda rid: P.encode(P.ResultRequest(req_id=rid, job_id=job_id, wait=wait, as_paths=as_paths))
+        msg, payloads = self._call(request, timeout if wait else self.timeout, wait_long=wait)
+        return _result_from(_check(msg), payloads)
+
+    def cancel(self, job_id: str) -> P.JobInfo:
+        msg, _ = self._call(lambda rid: P.encode(P.CancelRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    def health(self, timeout: float | None = None) -> P.HealthReply:
+        msg, _ = self._call(lambda rid: P.encode(P.HealthRequest(req_id=rid)), timeout or self.dead_after_s)
+        return _check(msg)
+
+    def stats(self) -> dict:
+        msg, _ = self._call(lambda rid: P.encode(P.StatsRequest(req_id=rid)), self.timeout)
+        return _check(msg).stats
+
+    def shutdown(self) -> P.HealthReply:
+        msg, _ = self._call(lambda rid: P.encode(P.ShutdownRequest(req_id=rid)), self.timeout)
+        return _check(msg)
+
+    def generate(self, *, timeout: float | None = None, return_paths: bool = False, **fields) -> JobResult:
+        """Submit and wait; raises ``JobFailedError`` unless the job completed."""
+        job_id = self.submit(**fields)
+        return _finished(self.result(job_id, wait=True, timeout=timeout, as_paths=return_paths))
+
+    def wait_ready(self, timeout: float = 60.0) -> P.HealthReply:
+        """Poll ``health`` until the server answers (start-up)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.health(timeout=1.0)
+            except (ServerDeadError, TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2.0)
+        self._wake_push.close(linger=0)
+        self._wake_pull.close(linger=0)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client; one instance per event loop."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, **kwargs) -> None:
+        super().__init__(endpoint, **kwargs)
+        self._context = zmq.asyncio.Context.instance()
+        self._sock = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def _ensure(self) -> None:
+        if self._sock is None:
+            self._sock = self._socket(self._context)
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg, payloads = P.decode(frames, allowed=P.REPLY_TYPES)
+            except P.WireError:
+                continue
+            future = self._pending.pop(msg.req_id, None)
+            if future is not None and not future.done():
+                future.set_result((msg, payloads))
+
+    async def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
+        await self._ensure()
+        req_id = self._next_id()
+        future = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = future
+        await self._sock.send_multipart(frames_for(req_id))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                step = self.heartbeat_s if wait_long else self.dead_after_s
+                if deadline is not None:
+                    step = min(step, max(0.0, deadline - time.monotonic()))
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), step)
+                except asyncio.TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
+                    if not wait_long:
+                        raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+                    await self.health()
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def submit(self, **fields) -> str:
+        msg, _ = await self._call(lambda rid: _submit_frames(rid, fields, self.model), self.timeout)
+        return _check(msg).job_id
+
+    async def status(self, job_id: str) -> P.JobInfo:
+        msg, _ = await self._call(lambda rid: P.encode(P.StatusRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    async def result(self, job_id: str, *, wait: bool = True, timeout: float | None = None,
+                     as_paths: bool = False) -> JobResult:
+        request = lambda rid: P.encode(P.ResultRequest(req_id=rid, job_id=job_id, wait=wait, as_paths=as_paths))
+        msg, payloads = await self._call(request, timeout if wait else self.timeout, wait_long=wait)
+        return _result_from(_check(msg), payloads)
+
+    async def cancel(self, job_id: str) -> P.JobInfo:
+        msg, _ = await self._call(lambda rid: P.encode(P.CancelRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    async def health(self, timeout: float | None = None) -> P.HealthReply:
+        msg, _ = await self._call(lambda rid: P.encode(P.HealthRequest(req_id=rid)), timeout or self.dead_after_s)
+        return _check(msg)
+
+    async def stats(self) -> dict:
+        msg, _ = await self._call(lambda rid: P.encode(P.StatsRequest(req_id=rid)), self.timeout)
+        return _check(msg).stats
+
+    async def shutdown(self) -> P.HealthReply:
+        msg, _ = await self._call(lambda rid: P.encode(P.ShutdownRequest(req_id=rid)), self.timeout)
+        return _check(msg)
+
+    async def generate(self, *, timeout: float | None = None, return_paths: bool = False, **fields) -> JobResult:
+        job_id = await self.submit(**fields)
+        return _finished(await self.result(job_id, wait=True, timeout=timeout, as_paths=return_paths))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

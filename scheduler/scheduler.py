@@ -1,0 +1,331 @@
+"""Rank 0's control thread: requests in, job states, batch decisions, replies out.
+
+It never touches a socket (``SocketThread`` does) and never runs a model (the compute loop
+does). It answers status/health/stats/cancel at once, even while a batch is running, and
+hands the compute loop one batch at a time through ``work``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from tilecast.scheduler import protocol as P
+from tilecast.scheduler.batching import Batcher, BatchingConfig, QueuedRequest
+from tilecast.scheduler.batching_metrics import BatchMetrics
+from tilecast.scheduler.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobTable, Waiter
+
+logger = logging.getLogger(__name__)
+
+SERVING, STOPPING, DEAD = "serving", "stopping", "dead"
+
+
+class Scheduler(threading.Thread):
+    """Owns the job table. Events arrive on ``inbox``:
+
+    ``("msg", identity, frames)`` from the socket thread, ``("done", plan_seq, outputs | error)`` and
+    ``("progress", job_id, fraction)`` from the compute loop, ``("fatal", reason)`` from the watchdog,
+    ``("shutdown", reason)`` from whoever stops the server.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline,
+        send,
+        batching: BatchingConfig,
+        max_queued: int,
+        world_size: int,
+        clock=time.monotonic,
+    ) -> None:
+        super().__init__(name="tilecast-scheduler", daemon=True)
+        self.pipeline = pipeline
+        self.send = send
+        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.work: "queue.Queue[P.Plan | None]" = queue.Queue(maxsize=1)
+        self.table = JobTable(max_queued=max_queued)
+        self.batching = batching
+        self.batcher = Batcher(batching, clock=clock)
+        self.metrics = BatchMetrics(stats_every=batching.stats_every)
+        self.world_size = world_size
+        self.clock = clock
+        self.status = SERVING
+        self.status_detail = ""
+        self._running: dict[int, list[Job]] = {}
+        self._next_seq = 1
+        self.stopped = threading.Event()
+        """Set once shutdown has been handed to the compute loop."""
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                event = self.inbox.get(timeout=self._wait_timeout())
+            except queue.Empty:
+                event = None
+            try:
+                if event is not None:
+                    self._handle(event)
+                self._dispatch()
+            except Exception:  # noqa: BLE001 - one bad event must not kill the scheduler
+                logger.exception("scheduler event %r failed", event and event[0])
+
+    def _wait_timeout(self) -> float:
+        if self._running or not self.table.queue:
+            return 0.5
+        deadline = self.batcher.next_deadline(self._queued_requests())
+        if deadline is None:
+            return 0.5
+        return min(0.5, max(0.0, deadline - self.clock()))
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "msg":
+            self._on_message(event[1], event[2])
+        elif kind == "done":
+            self._on_done(event[1], event[2])
+        elif kind == "progress":
+            job = self.table.get(event[1])
+            if job is not None and job.state == RUNNING:
+                job.progress = float(event[2])
+        elif kind == "fatal":
+            self._on_fatal(event[1])
+        elif kind == "shutdown":
+            self.begin_shutdown(event[1])
+        else:
+            raise AssertionError(f"unknown event {kind!r}")
+
+    # ------------------------------------------------------------------ requests
+    def _on_message(self, identity: bytes, frames: list) -> None:
+        try:
+            msg, payloads = P.decode(frames, allowed=P.REQUEST_TYPES)
+        except P.WireError as exc:
+            self._reply(identity, P.ErrorReply(req_id=P.peek_req_id(frames), code="bad_request", message=str(exc)))
+            return
+        handler = {
+            P.SubmitRequest: self._on_submit,
+            P.StatusRequest: self._on_status,
+            P.ResultRequest: self._on_result,
+            P.CancelRequest: self._on_cancel,
+            P.HealthRequest: self._on_health,
+            P.StatsRequest: self._on_stats,
+            P.ShutdownRequest: self._on_shutdown,
+        }[type(msg)]
+        handler(identity, msg, payloads)
+
+    def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
+        self._reply(identity, P.ErrorReply(req_id=req_id, code=code, message=message))
+
+    def _on_submit(self, identity: bytes, msg: P.SubmitRequest, payloads: list) -> None:
+        if self.status != SERVING:
+            code = "server_dead" if self.status == DEAD else "stopping"
+            return self._error(identity, msg.req_id, code, f"server is {self.status}: {self.status_detail}")
+        if self.table.full():
+            return self._error(
+                identity, msg.req_id, "overloaded",
+                f"queue is full ({self.table.max_queued} requests waiting, --max-queued-requests); retry later",
+            )
+        try:
+            job = self._build_job(msg, payloads)
+        except ValueError as exc:
+            return self._error(identity, msg.req_id, "bad_request", str(exc))
+        self.table.add(job)
+        logger.debug("queued %s", job.id)
+        self._reply(identity, self._info(job, msg.req_id))
+
+    def _build_job(self, msg: P.SubmitRequest, payloads: list) -> Job:
+        pipe = self.pipeline
+        if msg.model is not None and msg.model not in (pipe.model_name, pipe.family):
+            raise ValueError(f"this server serves {pipe.model_name!r}, not {msg.model!r}")
+        if len(msg.uploads) != len(payloads):
+            raise ValueError(f"{len(msg.uploads)} upload names but {len(payloads)} payload frames")
+        unknown = [name for name in msg.uploads if name not in pipe.upload_fields]
+        if unknown:
+            allowed = ", ".join(pipe.upload_fields) or "none"
+            raise ValueError(f"unexpected upload {unknown[0]!r} (this model accepts uploads: {allowed})")
+        uploads = {name: bytes(data) for name, data in zip(msg.uploads, payloads)}
+        try:
+            params = msgspec.convert(msg.params, pipe.params_type)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid request: {exc}") from exc
+        params = pipe.prepare(params, uploads)
+        return Job(
+            id=JobTable.new_id(), params=params, wire_params=msgspec.to_builtins(params),
+            uploads=uploads, enqueued_at=self.clock(),
+        )
+
+    def _info(self, job: Job, req_id: int) -> P.JobInfo:
+        return P.JobInfo(
+            req_id=req_id, job_id=job.id, state=job.state, error=job.error, progress=job.progress,
+            queue_position=self.table.position(job), created_at=job.created_at,
+            started_at=job.started_at, finished_at=job.finished_at,
+        )
+
+    def _lookup(self, identity: bytes, req_id: int, job_id: str) -> Job | None:
+        job = self.table.get(job_id)
+        if job is None:
+            self._error(identity, req_id, "not_found", f"no job {job_id!r}")
+        return job
+
+    def _on_status(self, identity: bytes, msg: P.StatusRequest, _payloads: list) -> None:
+        if (job := self._lookup(identity, msg.req_id, msg.job_id)) is not None:
+            self._reply(identity, self._info(job, msg.req_id))
+
+    def _on_result(self, identity: bytes, msg: P.ResultRequest, _payloads: list) -> None:
+        job = self._lookup(identity, msg.req_id, msg.job_id)
+        if job is None:
+            return
+        waiter = Waiter(identity=identity, req_id=msg.req_id, as_paths=msg.as_paths)
+        if job.terminal or not msg.wait:
+            self._send_result(job, waiter)
+        else:
+            job.waiters.append(waiter)
+
+    def _on_cancel(self, identity: bytes, msg: P.CancelRequest, _payloads: list) -> None:
+        job = self._lookup(identity, msg.req_id, msg.job_id)
+        if job is None:
+            return
+        if job.state == QUEUED:
+            self._finish(job, CANCELLED, error="cancelled by client")
+        elif job.state == RUNNING:
+            job.cancel_requested = True
+        self._reply(identity, self._info(job, msg.req_id))
+
+    def _on_health(self, identity: bytes, msg: P.HealthRequest, _payloads: list) -> None:
+        self._reply(identity, P.HealthReply(
+            req_id=msg.req_id, status=self.status, world_size=self.world_size,
+            model=self.pipeline.model_name, queue_depth=len(self.table.queue),
+            running=sum(len(jobs) for jobs in self._running.values()), detail=self.status_detail,
+        ))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "world_size": self.world_size,
+            "model": self.pipeline.model_name,
+            "queue_depth": len(self.table.queue),
+            "jobs": self.table.counts(),
+            "batching": {
+                "mode": self.batching.mode,
+                "max_size": self.batching.max_size,
+                "delay_ms": self.batching.delay_ms,
+                **self.metrics.snapshot(),
+            },
+        }
+
+    def _on_stats(self, identity: bytes, msg: P.StatsRequest, _payloads: list) -> None:
+        self._reply(identity, P.StatsReply(req_id=msg.req_id, stats=self.stats()))
+
+    def _on_shutdown(self, identity: bytes, msg: P.ShutdownRequest, _payloads: list) -> None:
+        self.begin_shutdown("shutdown requested by a client")
+        self._on_health(identity, P.HealthRequest(req_id=msg.req_id), [])
+
+    def begin_shutdown(self, reason: str) -> None:
+        """Stop accepting work, cancel what is queued, let the running batch finish."""
+        if self.status != SERVING:
+            return
+        logger.info("shutting down: %s", reason)
+        self.status, self.status_detail = STOPPING, reason
+        for job in list(self.table.queue):
+            self._finish(job, CANCELLED, error=f"server shutting down ({reason})")
+
+    # ------------------------------------------------------------------ dispatch
+    def _queued_requests(self) -> list[QueuedRequest]:
+        pipe = self.pipeline
+        requests = []
+        for job in self.table.queue:
+            params = job.params
+            width, height = getattr(params, "width", None), getattr(params, "height", None)
+            requests.append(QueuedRequest(
+                job_id=job.id, model=pipe.model_name, task=pipe.task, key=pipe.batch_key(params),
+                resolution=f"{width}x{height}" if width and height else None,
+                enqueued_at=job.enqueued_at, family_max=pipe.max_batch_size,
+            ))
+        return requests
+
+    def _dispatch(self) -> None:
+        if self._running:
+            return
+        if self.status == STOPPING and not self.table.queue:
+            self._send_plan(P.Plan(seq=self._take_seq(), kind="stop"))
+            self.stopped.set()
+            return
+        if self.status != SERVING or not self.table.queue:
+            return
+        decision = self.batcher.select(self._queued_requests())
+        if decision is None:
+            return
+        jobs = [self.table.get(job_id) for job_id in decision.job_ids]
+        self.table.start(jobs)
+        for line in self.metrics.record(decision, self.batching.user_max):
+            if self.batching.enable_metrics:
+                logger.info("%s", line)
+        seq = self._take_seq()
+        self._running[seq] = jobs
+        items = [P.PlanItem(job_id=job.id, params=job.wire_params, uploads=job.uploads) for job in jobs]
+        self._send_plan(P.Plan(seq=seq, kind="run", items=items))
+
+    def _take_seq(self) -> int:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq
+
+    def _send_plan(self, plan: P.Plan) -> None:
+        self.work.put(plan)  # the compute loop is idle whenever we get here: never blocks
+
+    def _on_done(self, seq: int, result) -> None:
+        jobs = self._running.pop(seq)
+        if isinstance(result, BaseException) or isinstance(result, str):
+            message = str(result)
+            for job in jobs:
+                self._finish(job, FAILED, error=message)
+            return
+        for job, output in zip(jobs, result, strict=True):
+            if job.cancel_requested:
+                self._finish(job, CANCELLED, error="cancelled by client while running")
+            else:
+                self._finish(job, COMPLETED, output=output)
+
+    def _on_fatal(self, reason: str) -> None:
+        if self.status == DEAD:
+            return
+        logger.error("server dead: %s", reason)
+        self.status, self.status_detail = DEAD, reason
+        self._running.clear()
+        for job in self.table.active():
+            self._finish(job, FAILED, error=f"server dead: {reason}")
+
+    # ------------------------------------------------------------------ replies
+    def _finish(self, job: Job, state: str, *, error: str | None = None, output=None) -> None:
+        self.table.finish(job, state, error=error, output=output)
+        waiters, job.waiters = job.waiters, []
+        for waiter in waiters:
+            self._send_result(job, waiter)
+
+    def _send_result(self, job: Job, waiter: Waiter) -> None:
+        metas, frames, info = [], [], {}
+        if job.state == COMPLETED and job.output is not None:
+            info = dict(job.output.info)
+            for item in job.output.files:
+                if waiter.as_paths:
+                    metas.append(P.OutputMeta(
+                        name=item.name, kind="file", mime=item.mime, size=item.path.stat().st_size,
+                        path=str(item.path),
+                    ))
+                else:
+                    data = item.path.read_bytes()
+                    metas.append(P.OutputMeta(name=item.name, kind="file", mime=item.mime, size=len(data)))
+                    frames.append(data)
+            for name, tensor in job.output.tensors.items():
+                meta, data = P.tensor_to_frame(name, tensor)
+                metas.append(meta)
+                frames.append(data)
+        reply = P.ResultReply(req_id=waiter.req_id, job=self._info(job, waiter.req_id), outputs=metas, info=info)
+        self.send(waiter.identity, P.encode(reply, *frames))
+
+    def _reply(self, identity: bytes, msg: msgspec.Struct) -> None:
+        self.send(identity, P.encode(msg))

@@ -1,0 +1,213 @@
+"""`tilecast topology check|auto|plan`: exit codes, text and --json output."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from tilecast.launcher.topology_cli import topology_app
+from tilecast.runtime import picker
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(topology_app, [str(a) for a in args])
+
+
+def invoke_json(*args: str) -> tuple[int, dict]:
+    result = invoke(*args, "--json")
+    return result.exit_code, json.loads(result.stdout)
+
+
+# ---------------------------------------------------------------- check
+
+
+def test_check_valid_manual_layout():
+    result = invoke("check", "--num-gpus", 4, "--tp-size", 2, "--ulysses-degree", 2, "--ring-degree", 1)
+    assert result.exit_code == 0, result.output
+    assert "valid" in result.stdout
+    assert "TP 2, Ulysses 2, Ring 1 (manual)" in result.stdout
+    assert picker.WARN_TP_RING in result.stdout
+    assert "Errors:" not in result.stdout
+
+
+def test_check_lists_every_error_and_exits_1():
+    result = invoke(
+        "check", "--num-gpus", 8, "--tp-size", 1, "--ulysses-degree", 3, "--ring-degree", 2,
+        "--hardware", "rtx5090", "--attention-backend", "fa",
+    )
+    assert result.exit_code == 1
+    for message in (
+        "GPU count must equal TP times Ulysses times Ring.",
+        "TP times Ulysses must divide the 28 DiT heads.",
+        "SDPA does not support Ring rotation.",
+        "FA resolves to SDPA on this SM120 platform; select SDPA instead.",
+    ):
+        assert message in result.stdout
+    assert "invalid (4 errors)" in result.stdout
+
+
+def test_check_json_matches_the_picker():
+    code, payload = invoke_json("check", "--num-gpus", 8)
+    assert code == 0
+    assert payload["valid"] is True
+    assert payload["topology"] == {"tp_size": 1, "ulysses_degree": 4, "ring_degree": 2}
+    assert payload["summary"] == "TP 1, Ulysses 4, Ring 2"
+    assert payload["selection"]["topology_mode"] == "auto"
+    assert payload["attention"] == "fa"
+    assert payload["warnings"] == [
+        picker.WARN_SCOPE, picker.WARN_UNVERIFIED, picker.WARN_MANY_GPUS, picker.WARN_TILES, picker.WARN_TP_RING
+    ]
+    assert payload["verification"] == {"serve": "unverified", "request": "unverified"}
+
+
+def test_check_verified_recipe():
+    code, payload = invoke_json(
+        "check", "--num-gpus", 2, "--ulysses-degree", 2, "--hardware", "rtxpro6000", "--decode", "tiles"
+    )
+    assert code == 0
+    assert payload["verification"]["serve"] == "verified"
+    assert payload["attention"] == "torch_sdpa"
+
+
+def test_check_json_errors_exit_1():
+    code, payload = invoke_json("check", "--num-gpus", 1, "--placement", "fsdp")
+    assert code == 1
+    assert payload["valid"] is False
+    assert payload["errors"] == ["FSDP requires multiple GPUs."]
+    assert payload["verification"] == {"serve": "error", "request": "error"}
+
+
+def test_check_heads_from_option_and_model_path(tmp_path):
+    code, payload = invoke_json("check", "--num-gpus", 6, "--ulysses-degree", 6, "--num-heads", 12)
+    assert (code, payload["errors"], payload["num_heads"]) == (0, [], 12)
+    code, payload = invoke_json("check", "--num-gpus", 3, "--ulysses-degree", 3, "--model-path", "tiny/k6sr")
+    assert (code, payload["num_heads"]) == (0, 12)
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"model_dim": 1792, "axes_dims": [16, 24, 24]}))
+    code, payload = invoke_json("check", "--num-gpus", 6, "--ulysses-degree", 6, "--model-path", tmp_path)
+    assert code == 1
+    assert payload["errors"] == ["TP times Ulysses must divide the 28 DiT heads."]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--hardware", "a100"),
+        ("--attention-backend", "flash"),
+        ("--decode", "fast"),
+        ("--placement", "disk"),
+        ("--tile-batch", "3"),
+        ("--offload-components", "text_encoder"),
+        ("--prefetch", "9"),
+        ("--num-heads", "12", "--model-path", "tiny/k6sr"),
+        ("--model-path", "/nonexistent/model"),
+    ],
+)
+def test_check_bad_values_are_usage_errors(args):
+    result = invoke("check", "--num-gpus", 4, *args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value" in result.output or "Error" in result.output
+
+
+def test_check_text_shows_notes_for_ignored_settings():
+    result = invoke("check", "--num-gpus", 2, "--prefetch", 3)
+    assert result.exit_code == 0
+    assert "DiT prefetch 3 is ignored" in result.stdout
+
+
+# ---------------------------------------------------------------- auto
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "layout", "code"),
+    [(1, (1, 1, 1), 0), (2, (1, 2, 1), 0), (3, (1, 3, 1), 1), (4, (1, 4, 1), 0),
+     (5, (1, 5, 1), 1), (6, (1, 6, 1), 1), (7, (1, 7, 1), 0), (8, (1, 4, 2), 0)],
+)
+def test_auto_is_the_pickers_layout(num_gpus, layout, code):
+    exit_code, payload = invoke_json("auto", "--num-gpus", num_gpus)
+    assert exit_code == code
+    assert (payload["tp_size"], payload["ulysses_degree"], payload["ring_degree"]) == layout
+    if code:
+        assert payload["errors"] == ["TP times Ulysses must divide the 28 DiT heads."]
+        assert payload["suggestion"]["ulysses_degree"] * payload["suggestion"]["ring_degree"] == num_gpus
+
+
+def test_auto_text_and_other_heads():
+    result = invoke("auto", "--num-gpus", 6)
+    assert result.exit_code == 1
+    assert "TP 1, Ulysses 6, Ring 1" in result.stdout
+    assert "Suggested valid layout: TP 1, Ulysses 2, Ring 3" in result.stdout
+    code, payload = invoke_json("auto", "--num-gpus", 6, "--model-path", "tiny/k6sr")
+    assert code == 0 and payload["summary"] == "TP 1, Ulysses 6, Ring 1"
+
+
+def test_auto_on_rtx_with_eight_gpus_needs_ring():
+    code, payload = invoke_json("auto", "--num-gpus", 8, "--hardware", "rtxpro6000")
+    assert code == 1
+    assert payload["errors"] == ["SDPA does not support Ring rotation."]
+
+
+# ---------------------------------------------------------------- plan
+
+
+def test_plan_prints_the_serve_command():
+    result = invoke(
+        "plan", "--num-gpus", 2, "--hardware", "rtxpro6000", "--model-path", "tiny/k6sr",
+        "--placement", "offload", "--offload-components", "transformer,vae", "--prefetch", 2, "--decode", "spatial",
+    )
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.stdout.strip())
+    assert argv == [
+        "tilecast", "serve", "--model-path", "tiny/k6sr", "--num-gpus", "2", "--tp-size", "1",
+        "--ulysses-degree", "2", "--ring-degree", "1", "--attention-backend", "torch_sdpa",
+        "--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "true",
+        "--vae-config.parallel-decode-mode", "spatial_shard",
+        "--layerwise-offload-components", "transformer vae", "--dit-offload-prefetch-size", "2",
+    ]
+    assert picker.WARN_SPATIAL in result.stderr
+    assert picker.WARN_SPATIAL not in result.stdout
+
+
+def test_plan_json_and_invalid_plan():
+    code, payload = invoke_json("plan", "--num-gpus", 4, "--tp-size", 2, "--ulysses-degree", 2, "--model-path", "tiny/k6sr")
+    assert code == 0
+    assert payload["command"].startswith("tilecast serve --model-path tiny/k6sr --num-gpus 4 --tp-size 2")
+    assert payload["argv"] == shlex.split(payload["command"])
+    result = invoke("plan", "--num-gpus", 4, "--ulysses-degree", 3)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert "GPU count must equal TP times Ulysses times Ring." in result.stderr
+    code, payload = invoke_json("plan", "--num-gpus", 4, "--ulysses-degree", 3)
+    assert code == 1 and payload["command"] is None and len(payload["errors"]) == 2
+
+
+# ---------------------------------------------------------------- a real process
+
+
+def test_module_runs_as_a_subprocess():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilecast.launcher.topology_cli", "check", "--num-gpus", "4",
+         "--ulysses-degree", "3", "--ring-degree", "2", "--attention-backend", "torch_sdpa", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["errors"] == [
+        "GPU count must equal TP times Ulysses times Ring.",
+        "TP times Ulysses must divide the 28 DiT heads.",
+        "SDPA does not support Ring rotation.",
+    ]
+
+
+def test_builtin_without_known_heads_skips_the_head_rule():
+    code, payload = invoke_json("check", "--num-gpus", 3, "--ulysses-degree", 3, "--model-path", "test/allreduce")
+    assert (code, payload["num_heads"], payload["errors"]) == (0, None, [])
+    result = invoke("check", "--num-gpus", 3, "--ulysses-degree", 3, "--model-path", "test/allreduce")
+    assert "unknown (rule skipped)" in result.stdout
