@@ -46,6 +46,7 @@ class InProcessServer:
     def stop(self, timeout: float = 30.0) -> None:
         self.zero.scheduler.inbox.put(("shutdown", "in-process server stopped"))
         self._thread.join(timeout)
+        self.zero.scheduler.halt()
         self.zero.watchdog.stop()
         self.zero.sockets.stop()
         self.rt.pipeline.close()

@@ -59,11 +59,16 @@ class Scheduler(threading.Thread):
         self._running: dict[int, list[Job]] = {}
         self._next_seq = 1
         self.stopped = threading.Event()
-        """Set once shutdown has been handed to the compute loop."""
+        """Set once shutdown has been handed to the compute loop (requests are still answered)."""
+        self._halt = threading.Event()
 
     # ------------------------------------------------------------------ loop
+    def halt(self) -> None:
+        """End the thread (after the process's last replies)."""
+        self._halt.set()
+
     def run(self) -> None:
-        while not self.stopped.is_set():
+        while not self._halt.is_set():
             try:
                 event = self.inbox.get(timeout=self._wait_timeout())
             except queue.Empty:
@@ -249,7 +254,7 @@ class Scheduler(threading.Thread):
         return requests
 
     def _dispatch(self) -> None:
-        if self._running:
+        if self._running or self.stopped.is_set():
             return
         if self.status == STOPPING and not self.table.queue:
             self._send_plan(P.Plan(seq=self._take_seq(), kind="stop"))
