@@ -1,0 +1,34 @@
+# tilecast: `make demo` and `make test` do all set-up on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tilecast-installed
+# This machine and CI take PyTorch's CPU build from local disk; a GPU machine keeps its own
+# CUDA build: `make install TORCH_SPEC=` (empty) installs nothing for torch.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m tilecast.launcher.demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m tilecast bench --help
+
+clean:
+	rm -rf $(VENV) demo_outputs outputs .pytest_cache
