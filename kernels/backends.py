@@ -1,0 +1,312 @@
+"""Attention backend registry: every backend returns ``(out_BSHD, lse_BHS)`` with an fp32 lse.
+
+Legend: B batch, S query length, K key/value length, H heads, D head dim.
+
+Backends are registered by name (``register_backend``) and selected by name through
+``resolve_backend``; ``"auto"`` (or ``None``) picks the fastest available backend for the device
+and dtype. All backends see already-unpadded keys: the dispatcher in ``attention.py`` drops padded
+keys before calling them, so a backend never needs a mask.
+
+Names:
+  ``sdpa_math``       pure-torch reference (materializes the B*H*S*K score matrix), any device.
+  ``chunked_math``    pure-torch online softmax over query/key blocks (bounded memory), any device.
+  ``sdpa_flash_cpu``  PyTorch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``).
+  ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``  PyTorch's CUDA kernels, called through
+                      their ``torch.ops.aten`` entry points with the log-sum-exp requested.
+  ``fa``              flash-attn (optional dependency, ``pip install "tilecast[flash]"``).
+Aliases (the reference picker's ids): ``torch_sdpa`` → best available ``sdpa_*`` for the device;
+``flash_attn`` → ``fa``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FLASH_INSTALL_HINT = 'pip install "tilecast[flash]"'
+
+BackendFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``fn(q_BSHD, k_BKHD, v_BKHD, *, scale) -> (out_BSHD, lse_BHS)``; K >= 1."""
+
+
+class BackendUnavailableError(ValueError):
+    """A backend was named that cannot run here (wrong device or dtype, or a missing package)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBackend:
+    """One registered attention implementation."""
+
+    name: str
+    """Registry name, used by ``attention(backend=...)`` and ``--attention-backend``."""
+    fn: BackendFn
+    """The kernel: ``fn(q_BSHD, k_BKHD, v_BKHD, *, scale) -> (out_BSHD, lse_BHS)``."""
+    devices: frozenset[str]
+    """Device types it runs on (``"cpu"``, ``"cuda"``)."""
+    dtypes: frozenset[torch.dtype] | None = None
+    """Input dtypes it accepts; ``None`` means any floating dtype."""
+    check: Callable[[], str | None] | None = None
+    """Optional runtime probe returning why the backend cannot run (``None`` when it can)."""
+
+    def unavailable_reason(self, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+        """Why this backend cannot run on ``device``/``dtype``, or ``None`` if it can."""
+        # The probe goes first so a missing optional package is named even on the wrong device.
+        if self.check is not None and (reason := self.check()) is not None:
+            return reason
+        device_type = torch.device(device).type
+        if device_type not in self.devices:
+            return f"backend {self.name!r} runs on {sorted(self.devices)}, not on {device_type!r}"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"backend {self.name!r} needs dtype in {names}, got {dtype}"
+        return None
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+_AUTO_ORDER: dict[str, list[str]] = {
+    "cuda": ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "chunked_math"],
+    "cpu": ["sdpa_flash_cpu", "chunked_math"],
+}
+"""Preference order of ``"auto"`` per device type (fastest first)."""
+_SDPA_ORDER: dict[str, list[str]] = {
+    "cuda": ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math"],
+    "cpu": ["sdpa_flash_cpu", "sdpa_math"],
+}
+"""What the user-facing ``"torch_sdpa"`` alias resolves to per device type."""
+_ALIASES: dict[str, str] = {"flash_attn": "fa"}
+
+
+def register_backend(backend: AttentionBackend, *, replace: bool = False) -> None:
+    """Add ``backend`` to the registry (``replace=True`` to override an existing name)."""
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"attention backend {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    """Every accepted name: registered backends, ``"auto"`` and the aliases."""
+    return sorted(_REGISTRY) + ["auto", "torch_sdpa", *sorted(_ALIASES)]
+
+
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> list[str]:
+    """Registered backends that can run on ``device`` (and ``dtype`` when given), sorted by name."""
+    return sorted(n for n, b in _REGISTRY.items() if b.unavailable_reason(device, dtype) is None)
+
+
+def resolve_backend(
+    name: str | None, device: torch.device | str, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """Map a user-facing name to a runnable backend.
+
+    ``None``/``"auto"`` picks the first available of the device's preference list; ``"torch_sdpa"``
+    the first available ``sdpa_*`` kernel. Unknown names raise ``ValueError`` listing the valid
+    ones; known but unusable ones raise ``BackendUnavailableError`` saying why.
+    """
+    device_type = torch.device(device).type
+    key = "auto" if name is None else _ALIASES.get(name, name)
+    if key in ("auto", "torch_sdpa"):
+        order = (_AUTO_ORDER if key == "auto" else _SDPA_ORDER).get(device_type, ["chunked_math"])
+        reasons = []
+        for candidate in order:
+            reason = _REGISTRY[candidate].unavailable_reason(device, dtype)
+            if reason is None:
+                return _REGISTRY[candidate]
+            reasons.append(reason)
+        raise BackendUnavailableError(f"no {key!r} attention backend can run here: {'; '.join(reasons)}")
+    backend = _REGISTRY.get(key)
+    if backend is None:
+        raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(backend_names())}")
+    reason = backend.unavailable_reason(device, dtype)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-torch backends (any device).
+
+
+def _math(q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, *, scale: float):
+    q_BHSD, k_BHKD, v_BHKD = (t.transpose(1, 2).float() for t in (q_BSHD, k_BKHD, v_BKHD))
+    scores_BHSK = torch.matmul(q_BHSD, k_BHKD.transpose(-1, -2)) * scale
+    lse_BHS = torch.logsumexp(scores_BHSK, dim=-1)
+    out_BHSD = torch.matmul(torch.exp(scores_BHSK - lse_BHS.unsqueeze(-1)), v_BHKD)
+    return out_BHSD.transpose(1, 2).to(q_BSHD.dtype), lse_BHS
+
+
+CHUNK_Q = 1024
+"""Query rows per block of ``chunked_math``."""
+CHUNK_K = 1024
+"""Key rows per block of ``chunked_math``."""
+
+
+def _chunked_math(q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, *, scale: float):
+    """Online softmax (flash-attention recurrence) in fp32; peak extra memory O(B*H*CHUNK_Q*CHUNK_K)."""
+    q_BHSD, k_BHKD, v_BHKD = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))
+    num_q, num_k = q_BHSD.shape[2], k_BHKD.shape[2]
+    outs, lses = [], []
+    for q0 in range(0, num_q, CHUNK_Q):
+        qc = q_BHSD[:, :, q0 : q0 + CHUNK_Q].float() * scale
+        acc = torch.zeros(*qc.shape[:-1], v_BHKD.shape[-1], dtype=torch.float32, device=qc.device)
+        row_max = torch.full(qc.shape[:-1], -math.inf, dtype=torch.float32, device=qc.device)
+        row_sum = torch.zeros_like(row_max)
+        for k0 in range(0, num_k, CHUNK_K):
+            kc = k_BHKD[:, :, k0 : k0 + CHUNK_K].float()
+            vc = v_BHKD[:, :, k0 : k0 + CHUNK_K].float()
+            scores = torch.matmul(qc, kc.transpose(-1, -2))
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            correction = torch.exp(row_max - new_max)
+            probs = torch.exp(scores - new_max.unsqueeze(-1))
+            row_sum = row_sum * correction + probs.sum(dim=-1)
+            acc = acc * correction.unsqueeze(-1) + torch.matmul(probs, vc)
+            row_max = new_max
+        outs.append(acc / row_sum.unsqueeze(-1))
+        lses.append(row_max + torch.log(row_sum))
+    out_BHSD = torch.cat(outs, dim=2)
+    return out_BHSD.transpose(1, 2).to(q_BSHD.dtype), torch.cat(lses, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch fused kernels. They take BHSD; lse comes back as (B, H, S[, 1]) or padded on S.
+
+
+def _lse_BHS(lse: torch.Tensor, num_q: int) -> torch.Tensor:
+    if lse.dim() == 4:  # cuDNN returns (B, H, S, 1) on some versions
+        lse = lse.squeeze(-1)
+    return lse[..., :num_q].float()  # the efficient kernel pads S to a multiple of 32
+
+
+def _sdpa_flash_cpu(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))
+    out_BHSD, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    return out_BHSD.transpose(1, 2), _lse_BHS(lse, q.shape[2])
+
+
+def _sdpa_flash(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))
+    result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return result[0].transpose(1, 2), _lse_BHS(result[1], q.shape[2])
+
+
+def _sdpa_efficient(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))
+    result = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+    return result[0].transpose(1, 2), _lse_BHS(result[1], q.shape[2])
+
+
+def _sdpa_cudnn(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
+    return result[0].transpose(1, 2), _lse_BHS(result[1], q.shape[2])
+
+
+def _op_check(op_name: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        if not torch.cuda.is_available():
+            return f"{op_name} needs CUDA, which is not available"
+        if not hasattr(torch.ops.aten, op_name):
+            return f"this PyTorch ({torch.__version__}) has no aten.{op_name}"
+        return None
+
+    return check
+
+
+def _cpu_flash_check() -> str | None:
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return f"this PyTorch ({torch.__version__}) has no CPU flash attention kernel"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn (optional import).
+
+
+def _import_flash_attn():
+    return importlib.import_module("flash_attn")
+
+
+def _fa_check() -> str | None:
+    try:
+        _import_flash_attn()
+    except ImportError as exc:
+        return f"backend 'fa' needs the flash-attn package, which failed to import ({exc}); install it with {FLASH_INSTALL_HINT}"
+    return None
+
+
+def _fa(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
+    flash_attn = _import_flash_attn()
+    out_BSHD, lse_BHS, _ = flash_attn.flash_attn_func(
+        q_BSHD, k_BKHD, v_BKHD, softmax_scale=scale, causal=False, return_attn_probs=True
+    )
+    return out_BSHD, _lse_BHS(lse_BHS, q_BSHD.shape[1])
+
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+_CUDA_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+for _backend in (
+    AttentionBackend(name="sdpa_math", fn=_math, devices=frozenset({"cpu", "cuda"})),
+    AttentionBackend(name="chunked_math", fn=_chunked_math, devices=frozenset({"cpu", "cuda"})),
+    AttentionBackend(
+        name="sdpa_flash_cpu",
+        fn=_sdpa_flash_cpu,
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
+        check=_cpu_flash_check,
+    ),
+    AttentionBackend(
+        name="sdpa_cudnn",
+        fn=_sdpa_cudnn,
+        devices=frozenset({"cuda"}),
+        dtypes=_HALF,
+        check=_op_check("_scaled_dot_product_cudnn_attention"),
+    ),
+    AttentionBackend(
+        name="sdpa_flash",
+        fn=_sdpa_flash,
+        devices=frozenset({"cuda"}),
+        dtypes=_HALF,
+        check=_op_check("_scaled_dot_product_flash_attention"),
+    ),
+    AttentionBackend(
+        name="sdpa_efficient",
+        fn=_sdpa_efficient,
+        devices=frozenset({"cuda"}),
+        dtypes=_CUDA_FLOATS,
+        check=_op_check("_scaled_dot_product_efficient_attention"),
+    ),
+    AttentionBackend(name="fa", fn=_fa, devices=frozenset({"cuda"}), dtypes=_HALF, check=_fa_check),
+):
+    register_backend(_backend)
+
+
+def run_backend(
+    backend: AttentionBackend,
+    q_BSHD: torch.Tensor,
+    k_BKHD: torch.Tensor,
+    v_BKHD: torch.Tensor,
+    *,
+    scale: float,
+    kv_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``backend`` on the first ``kv_len`` keys (the rest are padding and get zero weight).
+
+    With ``kv_len == 0`` no key is valid: the output is zero and the lse ``-inf``, which the Ring
+    merge treats as an empty partial result.
+    """
+    num_keys = k_BKHD.shape[1]
+    if kv_len is not None and kv_len < num_keys:
+        if kv_len <= 0:
+            batch, num_q, heads, _ = q_BSHD.shape
+            out = q_BSHD.new_zeros(batch, num_q, heads, v_BKHD.shape[-1])
+            lse = torch.full((batch, heads, num_q), -math.inf, dtype=torch.float32, device=q_BSHD.device)
+            return out, lse
+        k_BKHD, v_BKHD = k_BKHD[:, :kv_len], v_BKHD[:, :kv_len]
+    return backend.fn(q_BSHD, k_BKHD, v_BKHD, scale=scale)
