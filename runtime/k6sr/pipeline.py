@@ -1,0 +1,199 @@
+"""``K6SRPipeline``: Kandinsky 6 video super-resolution as a tilecast ``Pipeline``.
+
+Stages per request: input (PyAV decode, frame/audio rules) → encode → latent upscale → tile plan
+→ denoise → decode → blend (``stages.upscale_video``) → optional target downscale → output (MP4
+on the output rank, plus raw frames when asked). Requests are not batched together
+(``max_batch_size = 1``); every rank runs the same work in the same order.
+
+Options read from ``RankContext.options`` at load:
+
+- ``dtype``: ``"float32"`` (default) or ``"bfloat16"``;
+- ``allowed_video_dirs``: directories ``video_path`` may point into (none: uploads only);
+- ``attention_backend`` / ``attention_parallel``: passed to ``tilecast.kernels.attention``;
+- ``model_id``: routing only (see ``runtime/registry.py``);
+- ``cache_dir``: where ``tiny/k6sr`` is generated (default ``$TILECAST_CACHE``).
+
+Shapes: ``video_BCFHW`` float ``[-1, 1]``; ``frames_FHWC`` uint8.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from tilecast.runtime.k6sr import video_io
+from tilecast.runtime.k6sr.attention import install_dense_attention
+from tilecast.runtime.k6sr.loading import K6SRComponents, load_components, parse_dtype
+from tilecast.runtime.k6sr.params import (
+    SRParams,
+    check_request,
+    default_output_name,
+    parse_target_resolution,
+    resolve_video_path,
+    target_size,
+)
+from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, make_plan, upscale_video, video_to_frames
+from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL = "tiny/k6sr"
+"""Built-in name of the generated tiny checkpoint."""
+UPLOAD_STEM = "upload"
+"""File-name stem of outputs made from uploaded videos."""
+
+
+def settings_of(params: SRParams) -> SRSettings:
+    """The numeric part of a request."""
+    return SRSettings(
+        scale=params.sr_resolution_scale,
+        num_inference_steps=params.num_inference_steps,
+        seed=params.seed,
+        tiles_batch_size=params.sr_tiles_batch_size,
+        min_overlap=params.sr_tile_min_overlap,
+    )
+
+
+def resize_video(video_BCFHW: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Antialiased bilinear downscale of every frame to ``width`` x ``height``."""
+    if tuple(video_BCFHW.shape[-2:]) == (height, width):
+        return video_BCFHW
+    batch, _, num_frames = video_BCFHW.shape[:3]
+    frames = video_BCFHW.permute(0, 2, 1, 3, 4).flatten(0, 1)
+    frames = F.interpolate(frames, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
+    return frames.unflatten(0, (batch, num_frames)).permute(0, 2, 1, 3, 4).clamp(-1, 1)
+
+
+class K6SRPipeline(Pipeline):
+    """Kandinsky 6 video super-resolution (x2, x4, x2.25) with dense attention."""
+
+    family: ClassVar[str] = "k6sr"
+    task: ClassVar[str] = "sr"
+    params_type: ClassVar[type[msgspec.Struct]] = SRParams
+    upload_fields: ClassVar[tuple[str, ...]] = ("video",)
+    max_batch_size: ClassVar[int] = 1
+
+    def __init__(self, parts: K6SRComponents, ctx: RankContext, model_name: str = "") -> None:
+        self.parts = parts
+        self.ctx = ctx
+        self.model_name = model_name
+        self.allowed_video_dirs: list[str] = [str(d) for d in ctx.options.get("allowed_video_dirs") or []]
+
+    # ------------------------------------------------------------------ load
+    @classmethod
+    def load(cls, model_path: str, ctx: RankContext) -> "K6SRPipeline":
+        options = ctx.options
+        dtype = parse_dtype(options.get("dtype"))
+        video_io.require_encoders()
+        if model_path == TINY_MODEL:
+            cache_dir = options.get("cache_dir")
+            model_dir = ensure_tiny_k6sr(Path(cache_dir) if cache_dir else None)
+        else:
+            model_dir = Path(model_path)
+            if not model_dir.is_dir():
+                raise ValueError(f"--model-path {model_path!r} is not a local diffusers-format directory")
+        parts = load_components(model_dir, device=ctx.device, dtype=dtype)
+        install_dense_attention(
+            parts.transformer,
+            backend=options.get("attention_backend"),
+            parallel=options.get("attention_parallel"),
+        )
+        return cls(parts, ctx, model_name=model_path)
+
+    # --------------------------------------------------------------- prepare
+    def prepare(self, params: msgspec.Struct, uploads: dict[str, bytes]) -> SRParams:
+        """Validate an SR request on rank 0 at submit time (``ValueError`` naming the problem)."""
+        assert isinstance(params, SRParams), type(params)
+        check_request(params)
+        upload = uploads.get("video")
+        if upload is not None and params.video_path is not None:
+            raise ValueError("give either video_path or an uploaded video, not both")
+        if upload is None and params.video_path is None:
+            raise ValueError("no input video: give video_path or upload a video")
+        if upload is not None:
+            if not upload:
+                raise ValueError("the uploaded video is empty")
+            source: video_io.VideoSource = upload
+        else:
+            source = resolve_video_path(params.video_path, self.allowed_video_dirs)
+            params = msgspec.structs.replace(params, video_path=str(source))
+        probe = video_io.probe_video(source)
+        plan = make_plan(self.parts, probe.height, probe.width, settings_of(params))
+        out_h, out_w = plan.output_size
+        box = parse_target_resolution(params.sr_target_resolution)
+        _, clamped = target_size(out_w, out_h, box, params.sr_target_resize_mode)
+        if clamped:
+            logger.warning(
+                "sr_target_resolution %s is larger than the %dx%d output on some axis; exact mode never "
+                "upscales, so that axis keeps its size", params.sr_target_resolution, out_w, out_h,
+            )
+        return params
+
+    # ------------------------------------------------------------------- run
+    def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
+        return [self._run_one(item, ctx) for item in items]
+
+    def upscale_frames(
+        self, frames_FHWC: torch.Tensor, params: SRParams, *, ctx: RankContext | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """Frames in, float ``video_BCFHW`` in ``[-1, 1]`` out (before target resize and quantisation)."""
+        on_progress = ctx.progress if ctx is not None else None
+        video_BCFHW = frames_to_video(frames_FHWC, self.parts.device)
+        return upscale_video(self.parts, video_BCFHW, settings_of(params), on_progress=on_progress, timings=timings)
+
+    def _run_one(self, item: WorkItem, ctx: RankContext) -> Output:
+        params = item.params
+        assert isinstance(params, SRParams), type(params)
+        timings: dict[str, float] = {}
+
+        started = time.perf_counter()
+        upload = item.uploads.get("video")
+        source: video_io.VideoSource = upload if upload is not None else params.video_path
+        stem = UPLOAD_STEM if upload is not None else Path(params.video_path).stem
+        clip = video_io.read_clip(source)
+        timings["input"] = time.perf_counter() - started
+
+        video_BCFHW, plan = self.upscale_frames(clip.frames_FHWC, params, ctx=ctx, timings=timings)
+
+        started = time.perf_counter()
+        out_h, out_w = video_BCFHW.shape[-2:]
+        box = parse_target_resolution(params.sr_target_resolution)
+        (width, height), _ = target_size(out_w, out_h, box, params.sr_target_resize_mode)
+        video_BCFHW = resize_video(video_BCFHW, width, height)
+        frames_FHWC = video_to_frames(video_BCFHW)
+        output = Output(
+            info={
+                "width": width,
+                "height": height,
+                "num_frames": int(frames_FHWC.shape[0]),
+                "fps": float(clip.fps),
+                "has_audio": clip.audio_S is not None,
+                "num_tiles": plan.num_tiles,
+                "scale": params.sr_resolution_scale,
+                "source_fps": clip.source_fps,
+                "source_num_frames": clip.source_num_frames,
+            }
+        )
+        if params.return_frames:
+            output.tensors["frames"] = frames_FHWC
+        if ctx.is_output_rank:
+            name = params.output_file_name or default_output_name(stem, params)
+            ctx.output_dir.mkdir(parents=True, exist_ok=True)
+            path = ctx.output_dir / name
+            video_io.write_mp4(path, frames_FHWC, clip.fps, clip.audio_S)
+            output.files.append(OutputFile(name=name, path=path, mime="video/mp4"))
+        timings["output"] = time.perf_counter() - started
+        output.info["timings"] = {key: round(value, 4) for key, value in timings.items()}
+        logger.info(
+            "k6sr job %s: %dx%d x%d frames, %d tiles, %s",
+            item.job_id, width, height, frames_FHWC.shape[0], plan.num_tiles, output.info["timings"],
+        )
+        return output

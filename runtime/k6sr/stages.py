@@ -1,0 +1,297 @@
+"""The compute stages of Kandinsky 6 video super-resolution, one function each.
+
+``upscale_video`` chains them: input frames → encode (K-VAE) → latent upscale (per tile) → tile
+plan → denoise (DiT + PiFlow, ``tiles_batch_size`` tiles per call) → decode (serially, one tile
+chunk at a time) → Hann blend. It returns the float video before any quantisation or MP4
+encoding, so tests compare it with diffusers' ``Kandinsky6SRPipeline``.
+
+Numerics follow diffusers' pipeline step by step (pixel normalisation, the K-VAE's ``/128``
+convention, variance-preserving noise with ``lq_noise_scale = 0.7``, the zero anchor channels),
+with one deliberate difference: **noise seeding**. diffusers draws every chunk's noise from one
+generator in sequence; tilecast seeds a fresh CPU generator with ``seed + index of the chunk's
+first tile`` per chunk, so a tile's noise does not depend on the tiles before it (and whole-tile
+parallel denoising can reproduce it). With one tile and ``tiles_batch_size=1`` both agree.
+
+Shapes: ``video_BCFHW`` (batch, RGB, frames, height, width) in ``[-1, 1]``; ``latents_BCTHW``
+(batch, latent channels, latent frames, height, width); ``tiles_NCTHW`` (tiles, ...);
+``x_BTHWC`` (the transformer's channels-last layout); ``frames_FHWC`` uint8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tilecast.runtime.k6sr.loading import K6SRComponents
+from tilecast.runtime.k6sr.tiling import (
+    TileBlender,
+    TilePlan,
+    plan_tiles,
+    pre_upscaled_size,
+    snapped_size,
+    split_scale,
+)
+
+logger = logging.getLogger(__name__)
+
+LQ_NOISE_SCALE = 0.7
+"""Share of Gaussian noise mixed (variance preserving) into the low-resolution latents."""
+
+StepCallback = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(kw_only=True)
+class SRSettings:
+    """Per-request numerics of ``upscale_video`` (a subset of ``SRParams``)."""
+
+    scale: float = 2.25
+    """Total spatial upscale: 2, 4 or 2.25."""
+    num_inference_steps: int = 2
+    """DiT evaluations per tile."""
+    seed: int = 42
+    """Chunk ``i`` (first tile index ``t``) draws its noise from ``Generator().manual_seed(seed + t)``."""
+    tiles_batch_size: int = 1
+    """Tiles per DiT call (changes the noise, hence the output)."""
+    min_overlap: float = 0.2
+    """Minimum overlap between neighbouring tiles, as a fraction of the tile."""
+
+
+def frames_to_video(frames_FHWC: torch.Tensor, device) -> torch.Tensor:
+    """uint8 frames to a ``[-1, 1]`` float32 ``video_BCFHW`` (batch 1), like diffusers' video processor."""
+    video_FCHW = frames_FHWC.permute(0, 3, 1, 2).to(device=device, dtype=torch.float32) / 255.0
+    return (2.0 * video_FCHW - 1.0).permute(1, 0, 2, 3)[None]
+
+
+def video_to_frames(video_BCFHW: torch.Tensor) -> torch.Tensor:
+    """``[-1, 1]`` float ``video_BCFHW`` (batch 1) to uint8 ``frames_FHWC`` on the CPU."""
+    video_FCHW = (video_BCFHW[0].permute(1, 0, 2, 3).float() / 2 + 0.5).clamp(0, 1)
+    return (video_FCHW * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().contiguous()
+
+
+def _resize_frames(video_BCFHW: torch.Tensor, size: tuple[int, int], **interp) -> torch.Tensor:
+    batch, _, num_frames = video_BCFHW.shape[:3]
+    frames = video_BCFHW.permute(0, 2, 1, 3, 4).flatten(0, 1)
+    frames = F.interpolate(frames, size=size, **interp)
+    return frames.unflatten(0, (batch, num_frames)).permute(0, 2, 1, 3, 4)
+
+
+def snap_input(video_BCFHW: torch.Tensor, snap: int) -> torch.Tensor:
+    """Resize (nearest) to the size rounded down to a multiple of the VAE factor, as diffusers'
+    video processor does; a no-op for aligned sizes."""
+    height, width = video_BCFHW.shape[-2:]
+    target = snapped_size(height, width, snap)
+    if target == (height, width):
+        return video_BCFHW
+    return _resize_frames(video_BCFHW, target, mode="nearest")
+
+
+def pre_upscale(video_BCFHW: torch.Tensor, pre: float, snap: int) -> torch.Tensor:
+    """The 2.25x route's bilinear 1.125x pixel pre-upscale, snapped to the VAE factor."""
+    if pre == 1.0:
+        return video_BCFHW
+    target = pre_upscaled_size(*video_BCFHW.shape[-2:], pre, snap)
+    return _resize_frames(video_BCFHW, target, mode="bilinear", align_corners=False)
+
+
+def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tensor:
+    """K-VAE latents (posterior mode, times ``scaling_factor``) of a ``[-1, 1]`` video."""
+    vae = parts.vae
+    # The K-VAE was trained on pixels / 128 - 1, not pixels / 127.5 - 1.
+    video = (video_BCFHW.to(vae.dtype) + 1) * (127.5 / 128) - 1
+    latents_BCTHW = vae.encode(video, return_dict=False)[0].mode()
+    return latents_BCTHW * vae.config.scaling_factor
+
+
+def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor) -> torch.Tensor:
+    """Decode scaled latents to a float32 ``[-1, 1]`` video."""
+    vae = parts.vae
+    video = vae.decode(latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+    return ((video.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+
+
+def make_plan(parts: K6SRComponents, height: int, width: int, settings: SRSettings) -> TilePlan:
+    """The tile plan for a source of ``height`` x ``width`` pixels (before snapping/pre-upscale)."""
+    tiling_scale, pre = split_scale(settings.scale)
+    snap = parts.spatial_factor
+    snapped = snapped_size(height, width, snap)
+    lr_height, lr_width = pre_upscaled_size(*snapped, pre, snap)
+    return plan_tiles(
+        lr_height,
+        lr_width,
+        tiling_scale=tiling_scale,
+        tile_sizes=parts.tile_sizes,
+        min_overlap=settings.min_overlap,
+        snap=snap,
+        scale_label=settings.scale,
+    )
+
+
+def low_res_tiles(
+    parts: K6SRComponents, video_BCFHW: torch.Tensor, plan: TilePlan, timings: dict[str, float] | None = None
+) -> torch.Tensor:
+    """Low-resolution latent tiles at the trained tile size: ``tiles_NCTHW`` (batch 1) in ``parts.dtype``.
+
+    With a latent upscaler for the tiling scale, tiles are cut from the latents of the whole video
+    and upscaled in latent space; otherwise pixel tiles are bilinearly upscaled and encoded.
+    """
+    snap = parts.spatial_factor
+    tile_h, tile_w = plan.tile_size
+    upscaler = parts.latent_upscaler
+    timings = timings if timings is not None else {}
+    tiles = []
+    started = time.perf_counter()
+    if upscaler is not None and plan.tiling_scale in upscaler.config.scales:
+        latents_BCTHW = encode_video(parts, video_BCFHW)
+        timings["encode"] = time.perf_counter() - started
+        started = time.perf_counter()
+        for top, left in plan.grid:
+            crop = latents_BCTHW[:, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap]
+            tiles.append(upscaler(crop, scale=plan.tiling_scale, return_dict=False)[0])
+    else:
+        for top, left in plan.grid:
+            crop = video_BCFHW[:, :, :, top : top + tile_h, left : left + tile_w]
+            crop = _resize_frames(crop, plan.base_size, mode="bilinear", align_corners=False)
+            tiles.append(encode_video(parts, crop))
+        timings["encode"] = 0.0
+    timings["latent_upscale"] = time.perf_counter() - started
+    return torch.stack(tiles, dim=1)[0].to(parts.dtype)
+
+
+def chunk_starts(num_tiles: int, tiles_batch_size: int) -> list[range]:
+    """Tile index ranges of the DiT calls, in order."""
+    if tiles_batch_size < 1:
+        raise ValueError(f"sr_tiles_batch_size must be at least 1, got {tiles_batch_size}")
+    return [range(start, min(start + tiles_batch_size, num_tiles)) for start in range(0, num_tiles, tiles_batch_size)]
+
+
+def chunk_noise(shape, seed: int, first_tile: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Noise of one chunk: a CPU generator seeded ``seed + first_tile``, drawn like diffusers' ``randn_tensor``."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + first_tile)
+    return torch.randn(shape, generator=generator, device="cpu", dtype=dtype).to(device)
+
+
+def denoise_chunk(
+    parts: K6SRComponents,
+    lq_BTHWC: torch.Tensor,
+    *,
+    seed: int,
+    first_tile: int,
+    num_inference_steps: int,
+    on_step: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Denoise one chunk of tiles (channels-last); returns the final ``latents_BTHWC``."""
+    dtype, device = parts.dtype, parts.device
+    scheduler = type(parts.scheduler).from_config(parts.scheduler.config)
+    noise = chunk_noise(lq_BTHWC.shape, seed, first_tile, dtype, device)
+    latents = math.sqrt(1 - LQ_NOISE_SCALE**2) * lq_BTHWC + LQ_NOISE_SCALE * noise
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    for t in scheduler.timesteps:
+        # Input is [latent | anchor latent | anchor mask]; the released checkpoints are anchor-free (zeros).
+        anchor = torch.zeros_like(latents)
+        anchor_mask = torch.zeros((*latents.shape[:-1], 1), dtype=dtype, device=device)
+        model_input = torch.cat([latents, anchor, anchor_mask], dim=-1)
+        prediction = parts.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False)[0]
+        latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+        if on_step is not None:
+            on_step()
+    return latents
+
+
+def denoise_tiles(
+    parts: K6SRComponents,
+    tiles_NCTHW: torch.Tensor,
+    settings: SRSettings,
+    on_progress: StepCallback | None = None,
+) -> list[tuple[range, torch.Tensor]]:
+    """Denoise all tiles, ``settings.tiles_batch_size`` per DiT call; ``[(tile indices, latents_BCTHW)]``."""
+    chunks = chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
+    total = len(chunks) * settings.num_inference_steps
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    results = []
+    for indices in chunks:
+        lq_BTHWC = tiles_NCTHW[indices.start : indices.stop].permute(0, 2, 3, 4, 1)
+        latents_BTHWC = denoise_chunk(
+            parts,
+            lq_BTHWC,
+            seed=settings.seed,
+            first_tile=indices.start,
+            num_inference_steps=settings.num_inference_steps,
+            on_step=step,
+        )
+        results.append((indices, latents_BTHWC.permute(0, 4, 1, 2, 3)))
+    return results
+
+
+def decode_and_blend(
+    parts: K6SRComponents, chunks: list[tuple[range, torch.Tensor]], plan: TilePlan, num_frames: int
+) -> torch.Tensor:
+    """Decode the denoised chunks one at a time and Hann-blend them: ``video_BCFHW`` in ``[-1, 1]``."""
+    blender = TileBlender(plan, batch_size=1, num_frames=num_frames, device=parts.device)
+    for indices, latents_BCTHW in chunks:
+        decoded_BCFHW = decode_latents(parts, latents_BCTHW)
+        for tile_CFHW, tile_index in zip(decoded_BCFHW, indices):
+            blender.add(tile_index, tile_CFHW)
+    return blender.result()
+
+
+@torch.no_grad()
+def upscale_video(
+    parts: K6SRComponents,
+    video_BCFHW: torch.Tensor,
+    settings: SRSettings,
+    *,
+    on_progress: StepCallback | None = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[torch.Tensor, TilePlan]:
+    """Super-resolve a ``[-1, 1]`` float ``video_BCFHW`` (batch 1, ``1 + 4k`` frames).
+
+    Returns the blended float video in ``[-1, 1]`` (before quantisation) and the tile plan.
+    ``on_progress(done, total)`` is called after every DiT step; ``timings`` receives seconds per
+    stage (``pre_upscale``, ``encode``, ``latent_upscale``, ``denoise``, ``decode`` incl. blend;
+    without a latent upscaler the per-tile encodes count as ``latent_upscale``).
+    """
+    if video_BCFHW.shape[0] != 1:
+        raise ValueError(f"upscale_video takes one video at a time, got a batch of {video_BCFHW.shape[0]}")
+    num_frames = video_BCFHW.shape[2]
+    if (num_frames - 1) % parts.temporal_factor:
+        raise ValueError(f"the video must have 1 + {parts.temporal_factor}k frames, got {num_frames}")
+    timings = timings if timings is not None else {}
+    tiling_scale, pre = split_scale(settings.scale)
+    snap = parts.spatial_factor
+
+    started = time.perf_counter()
+    video_BCFHW = video_BCFHW.to(parts.device, torch.float32)
+    video_BCFHW = pre_upscale(snap_input(video_BCFHW, snap), pre, snap)
+    timings["pre_upscale"] = time.perf_counter() - started
+    plan = plan_tiles(
+        *video_BCFHW.shape[-2:],
+        tiling_scale=tiling_scale,
+        tile_sizes=parts.tile_sizes,
+        min_overlap=settings.min_overlap,
+        snap=snap,
+        scale_label=settings.scale,
+    )
+    tiles_NCTHW = low_res_tiles(parts, video_BCFHW, plan, timings)
+
+    started = time.perf_counter()
+    chunks = denoise_tiles(parts, tiles_NCTHW, settings, on_progress)
+    timings["denoise"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    video_BCFHW = decode_and_blend(parts, chunks, plan, num_frames)
+    timings["decode"] = time.perf_counter() - started
+    logger.debug("upscaled %d frames in %d tiles: %s", num_frames, plan.num_tiles, timings)
+    return video_BCFHW, plan

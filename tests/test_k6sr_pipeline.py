@@ -1,0 +1,198 @@
+"""End to end: real MP4s with real audio through ``K6SRPipeline`` (prepare + run) on the tiny checkpoint.
+
+Clips are kept to one or five frames and one to four tiles so that the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import av
+import pytest
+import torch
+
+from tests.media import write_test_video
+from tilecast.runtime.k6sr.params import SRParams
+from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.k6sr.video_io import AUDIO_RATE, read_clip
+from tilecast.runtime.pipeline import RankContext, WorkItem
+
+
+def make_ctx(output_dir: Path, **options) -> RankContext:
+    return RankContext(
+        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
+        output_dir=output_dir, options=options,
+    )
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory, media_dir) -> K6SRPipeline:
+    cache = tmp_path_factory.mktemp("cache")
+    ctx = make_ctx(tmp_path_factory.mktemp("out"), cache_dir=str(cache), allowed_video_dirs=[str(media_dir)])
+    pipeline = K6SRPipeline.load("tiny/k6sr", ctx)
+    assert (cache / "models" / "tiny-k6sr-v1" / "model_index.json").is_file()
+    return pipeline
+
+
+def submit(pipe: K6SRPipeline, out_dir: Path, params: SRParams, uploads=None, progress=None):
+    """prepare (rank 0 at submit) then run, as the server does."""
+    uploads = uploads or {}
+    params = pipe.prepare(params, uploads)
+    ctx = make_ctx(out_dir)
+    ctx.on_progress = progress
+    return pipe.run([WorkItem(job_id="job", params=params, uploads=uploads)], ctx)[0]
+
+
+def describe_mp4(path: Path) -> dict:
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        info = {"width": video.width, "height": video.height, "codec": video.codec_context.name,
+                "audio": None}
+        info["num_frames"] = sum(1 for _ in container.decode(video))
+    with av.open(str(path)) as container:
+        if container.streams.audio:
+            stream = container.streams.audio[0]
+            samples = sum(frame.samples for frame in container.decode(stream))
+            info["audio"] = {"codec": stream.codec_context.name, "rate": stream.sample_rate,
+                             "channels": stream.layout.nb_channels, "samples": samples}
+    return info
+
+
+@pytest.mark.parametrize(
+    "scale, size, num_frames, expected",
+    [(2, (64, 64), 5, (128, 128)), (4, (32, 32), 1, (128, 128)), (2.25, (80, 80), 1, (192, 192))],
+)
+def test_scales_give_sized_mp4_with_mono_44k_audio(pipe, media_dir, tmp_path, scale, size, num_frames, expected):
+    src = write_test_video(media_dir / f"clip_{scale}.mp4", *size, num_frames, 24, audio=True, stereo=True)
+    progress = []
+    out = submit(pipe, tmp_path, SRParams(video_path=str(src), sr_resolution_scale=scale),
+                 progress=lambda done, total: progress.append((done, total)))
+
+    assert [f.name for f in out.files] == [f"clip_{scale}_srx{scale:g}_seed42.mp4"]
+    assert out.files[0].mime == "video/mp4" and out.files[0].path.parent == tmp_path
+    mp4 = describe_mp4(out.files[0].path)
+    assert (mp4["width"], mp4["height"]) == expected == (out.info["width"], out.info["height"])
+    assert mp4["codec"] == "h264" and mp4["num_frames"] == num_frames == out.info["num_frames"]
+    assert mp4["audio"]["codec"] == "aac" and mp4["audio"]["rate"] == AUDIO_RATE and mp4["audio"]["channels"] == 1
+    # AAC works in 1024-sample frames: the decoded length is the clip's duration rounded up to one.
+    duration_samples = num_frames / 24 * AUDIO_RATE
+    assert duration_samples <= mp4["audio"]["samples"] <= duration_samples + 2 * 1024
+    assert out.info["has_audio"] and out.info["fps"] == 24.0
+    assert set(out.info["timings"]) >= {"input", "encode", "denoise", "decode", "output"}
+    num_chunks = out.info["num_tiles"]
+    assert progress[-1] == (2 * num_chunks, 2 * num_chunks) and len(progress) == 2 * num_chunks
+
+
+def test_30fps_150_frame_source_follows_frame_and_audio_rules(media_dir):
+    src = write_test_video(media_dir / "fast.mp4", 32, 32, 150, 30, audio=True, audio_rate=48000)
+    clip = read_clip(src)
+    assert clip.source_fps == 30.0 and clip.source_num_frames == 150
+    assert clip.fps == 24 and clip.frames_FHWC.shape == (117, 32, 32, 3)  # <= 121, 1 + 4k
+    assert clip.audio_S.dtype.name == "float32" and clip.audio_S.shape == (round(117 / 24 * AUDIO_RATE),)
+    assert abs(clip.audio_S).max() > 0.1  # the tone survived resampling to mono
+
+
+def test_source_without_audio_gives_silent_output(pipe, media_dir, tmp_path):
+    src = write_test_video(media_dir / "mute.mp4", 64, 64, 1, 24, audio=False)
+    out = submit(pipe, tmp_path, SRParams(video_path=str(src), sr_resolution_scale=2))
+    assert out.info["has_audio"] is False
+    assert describe_mp4(out.files[0].path)["audio"] is None
+
+
+def test_same_upload_twice_gives_identical_frames(pipe, media_dir, tmp_path):
+    data = write_test_video(media_dir / "twice.mp4", 96, 64, 1, 24).read_bytes()
+    params = SRParams(sr_resolution_scale=2, return_frames=True, seed=3)
+    first = submit(pipe, tmp_path / "a", params, uploads={"video": data})
+    second = submit(pipe, tmp_path / "b", params, uploads={"video": data})
+    assert first.info["num_tiles"] == 2
+    assert first.tensors["frames"].dtype == torch.uint8 and first.tensors["frames"].shape == (1, 128, 192, 3)
+    assert torch.equal(first.tensors["frames"], second.tensors["frames"])
+    assert first.tensors["frames"].float().std() > 5  # not a constant picture
+    assert first.files[0].name == "upload_srx2_seed3.mp4"
+
+
+@pytest.mark.parametrize(
+    "target, mode, expected",
+    [("96x96", "fit", (96, 64)), ("100x50", "exact", (100, 50)), ("hd", "fit", (192, 128))],
+)
+def test_target_resolution_only_downscales(pipe, media_dir, tmp_path, target, mode, expected):
+    src = media_dir / "target.mp4"
+    if not src.exists():
+        write_test_video(src, 96, 64, 1, 24)
+    params = SRParams(video_path=str(src), sr_resolution_scale=2, sr_target_resolution=target,
+                      sr_target_resize_mode=mode, output_file_name="custom.mp4")
+    out = submit(pipe, tmp_path, params)
+    assert out.files[0].name == "custom.mp4" and out.files[0].path == tmp_path / "custom.mp4"
+    mp4 = describe_mp4(out.files[0].path)
+    assert (mp4["width"], mp4["height"]) == expected == (out.info["width"], out.info["height"])
+
+
+# ----------------------------------------------------------------------------- bad input at prepare
+def test_prepare_refuses_bad_input(pipe, media_dir, tmp_path):
+    good = write_test_video(media_dir / "good.mp4", 64, 64, 1, 24)
+    (media_dir / "notes.mp4").write_text("this is not a video")
+    data = good.read_bytes()
+    (media_dir / "truncated.mp4").write_bytes(data[: len(data) // 2])
+    small = write_test_video(media_dir / "small.mp4", 48, 48, 1, 24)
+    outside = write_test_video(tmp_path / "outside.mp4", 64, 64, 1, 24)
+    os.symlink(outside, media_dir / "escape.mp4")
+
+    cases = [
+        (SRParams(video_path=str(media_dir / "notes.mp4")), {}, "not a readable video"),
+        (SRParams(video_path=str(media_dir / "truncated.mp4")), {}, "truncated"),
+        (SRParams(), {"video": data[: len(data) // 2]}, "uploaded video .* not a readable video"),
+        (SRParams(video_path=str(small), sr_resolution_scale=2), {}, r"at least 64x64 .*got 48x48"),
+        (SRParams(video_path=str(good), sr_resolution_scale=3.0), {}, "must be 2, 2.25 or 4, got 3.0"),
+        (SRParams(video_path=str(good), sr_target_resolution="8k"), {}, "sr_target_resolution '8k'"),
+        (SRParams(video_path=str(outside)), {}, "outside the allowed video directories"),
+        (SRParams(video_path=str(media_dir / ".." / "x.mp4")), {}, r"must not contain '\.\.'"),
+        (SRParams(video_path=str(media_dir / "escape.mp4")), {}, "outside the allowed video directories"),
+        (SRParams(video_path=str(good)), {"video": data}, "not both"),
+        (SRParams(), {}, "no input video"),
+        (SRParams(video_path=str(good), output_file_name="a/b.mp4"), {}, "path separators"),
+    ]
+    for params, uploads, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            pipe.prepare(params, uploads)
+
+    resolved = pipe.prepare(SRParams(video_path=str(good)), {})
+    assert resolved.video_path == str(good.resolve())
+
+
+def test_video_path_needs_an_allowed_dir(pipe, media_dir, tmp_path):
+    good = write_test_video(media_dir / "good2.mp4", 64, 64, 1, 24)
+    no_dirs = K6SRPipeline(pipe.parts, make_ctx(tmp_path))
+    with pytest.raises(ValueError, match="--allowed-video-dir"):
+        no_dirs.prepare(SRParams(video_path=str(good)), {})
+    assert no_dirs.prepare(SRParams(), {"video": good.read_bytes()}).video_path is None
+
+
+@pytest.mark.slow  # ~8 s on an idle 2-core CPU (117 frames through the tiny VAE decoder), 20 s+ under load
+def test_30fps_150_frame_source_end_to_end(pipe, media_dir, tmp_path):
+    src = write_test_video(media_dir / "fast_e2e.mp4", 32, 32, 150, 30, audio=True)
+    out = submit(pipe, tmp_path, SRParams(video_path=str(src), sr_resolution_scale=4))
+    mp4 = describe_mp4(out.files[0].path)
+    assert mp4["num_frames"] == out.info["num_frames"] == 117 and out.info["fps"] == 24.0
+    assert (mp4["width"], mp4["height"]) == (128, 128)
+    assert 117 / 24 * AUDIO_RATE <= mp4["audio"]["samples"] <= 117 / 24 * AUDIO_RATE + 2 * 1024
+
+
+def test_bfloat16_runs(tmp_path_factory, media_dir, tmp_path):
+    ctx = make_ctx(tmp_path, cache_dir=str(tmp_path_factory.mktemp("cache16")), dtype="bfloat16",
+                   allowed_video_dirs=[str(media_dir)])
+    pipeline = K6SRPipeline.load("tiny/k6sr", ctx)
+    assert pipeline.parts.dtype == torch.bfloat16
+    src = write_test_video(media_dir / "bf16.mp4", 32, 32, 1, 24)
+    out = submit(pipeline, tmp_path, SRParams(video_path=str(src), sr_resolution_scale=4, return_frames=True))
+    assert out.tensors["frames"].shape == (1, 128, 128, 3) and out.tensors["frames"].float().std() > 5
+
+
+def test_unknown_dtype_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="dtype 'float64'"):
+        K6SRPipeline.load("tiny/k6sr", make_ctx(tmp_path, dtype="float64", cache_dir=str(tmp_path)))

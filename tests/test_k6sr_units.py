@@ -1,0 +1,248 @@
+"""Pure unit tests of the k6sr building blocks (no checkpoint, no video decode of the model)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilecast.runtime.k6sr import params as P
+from tilecast.runtime.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
+from tilecast.runtime.k6sr.video_io import MAX_FRAMES, select_frames
+
+
+# ----------------------------------------------------------------------------- frame selection
+def _is_one_plus_4k(n: int) -> bool:
+    return n >= 1 and (n - 1) % 4 == 0
+
+
+def test_select_frames_30fps_150_subsamples_to_24fps():
+    indices, fps = select_frames(150, 30.0)
+    assert fps == 24
+    assert len(indices) <= MAX_FRAMES and _is_one_plus_4k(len(indices))
+    assert len(indices) == 117  # 120 timestamps at 24 fps in 5 s, trimmed to 1 + 4k
+    # frame k is the source frame nearest to k / 24 s
+    for k, index in enumerate(indices):
+        assert abs(index / 30.0 - k / 24.0) <= 0.5 / 30.0 + 1e-9
+    assert indices == sorted(set(indices))
+
+
+@pytest.mark.parametrize("fps", [23.0, 23.976, 24.0, 25.0])
+def test_select_frames_near_24_keeps_every_frame(fps):
+    indices, out_fps = select_frames(60, fps)
+    assert out_fps is None  # keeps its own rate
+    assert indices == list(range(57))  # 60 -> 1 + 4 * 14
+
+
+def test_select_frames_slow_source_keeps_native_rate_and_caps_length():
+    indices, out_fps = select_frames(400, 12.0)
+    assert out_fps is None and indices == list(range(121))
+    indices, out_fps = select_frames(400, 60.0)
+    assert out_fps == 24 and len(indices) == 121 and indices[:4] == [0, 3, 5, 8]  # 2.5 rounds half up
+
+
+def test_select_frames_short_clips():
+    assert select_frames(1, 30.0)[0] == [0]
+    assert select_frames(4, 24.0)[0] == [0]
+    assert select_frames(5, 24.0)[0] == [0, 1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- tiling
+def test_tile_starts_match_diffusers_rule():
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import _tile_positions
+
+    rng = random.Random(0)
+    for _ in range(500):
+        snap = rng.choice([8, 16])
+        tile = snap * rng.randint(1, 40)
+        length = snap * rng.randint(1, 200)
+        overlap = rng.choice([0.0, 0.1, 0.2, 0.25, 0.5, 0.9])
+        assert tile_starts(length, tile, overlap, snap) == _tile_positions(length, tile, overlap, snap)
+
+
+def test_tile_starts_cover_with_overlap():
+    starts = tile_starts(1280, 256, 0.2, 16)
+    assert starts[0] == 0 and starts[-1] == 1280 - 256
+    assert all(b - a <= 256 * 0.8 for a, b in zip(starts, starts[1:]))
+
+
+def test_hann_window_matches_diffusers_and_is_positive():
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import _hann_window_2d
+
+    window = hann_window_2d(128, 256)
+    assert torch.equal(window, _hann_window_2d(128, 256, torch.device("cpu")))
+    assert window.min() > 0
+
+
+def test_blender_of_identical_tiles_is_identity():
+    plan = plan_tiles(96, 160, tiling_scale=2, tile_sizes=((128, 128),), min_overlap=0.2, snap=16)
+    assert plan.num_tiles > 2
+    blender = TileBlender(plan, batch_size=1, num_frames=1, device="cpu")
+    for index in range(plan.num_tiles):
+        blender.add(index, torch.full((3, 1, 128, 128), 0.25))
+    assert torch.allclose(blender.result(), torch.full((1, 3, 1, 192, 320), 0.25))
+
+
+def test_plan_refuses_video_smaller_than_a_tile():
+    with pytest.raises(ValueError, match="at least 64x64"):
+        plan_tiles(48, 64, tiling_scale=2, tile_sizes=((128, 128),), min_overlap=0.2, snap=16)
+
+
+def test_split_scale():
+    assert split_scale(2) == (2, 1.0) and split_scale(4) == (4, 1.0) and split_scale(2.25) == (2, 1.125)
+    with pytest.raises(ValueError, match="got 3"):
+        split_scale(3)
+
+
+# ----------------------------------------------------------------------------- request params
+def test_params_reject_unknown_fields_and_video_bytes():
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"video": "abc"}, P.SRParams)
+    assert msgspec.convert({"sr_resolution_scale": 2}, P.SRParams).sr_resolution_scale == 2
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("hd", (1280, 720)), ("FullHD", (1920, 1080)), ("2k", (2560, 1440)), ("640x360", (640, 360)), (None, None)],
+)
+def test_parse_target_resolution(value, expected):
+    assert P.parse_target_resolution(value) == expected
+
+
+@pytest.mark.parametrize("value", ["4k", "640*360", "x360", "0x0", "wide"])
+def test_parse_target_resolution_rejects(value):
+    with pytest.raises(ValueError, match="sr_target_resolution"):
+        P.parse_target_resolution(value)
+
+
+def test_target_size_only_downscales():
+    assert P.target_size(256, 128, (128, 128), "fit") == ((128, 64), False)
+    assert P.target_size(256, 128, (1920, 1080), "fit") == ((256, 128), False)
+    assert P.target_size(256, 128, (100, 50), "exact") == ((100, 50), False)
+    assert P.target_size(256, 128, (300, 50), "exact") == ((256, 50), True)
+    assert P.target_size(256, 128, (101, 51), "fit") == ((100, 50), False)  # even sizes for yuv420p
+    with pytest.raises(ValueError, match="sr_target_resize_mode 'crop'"):
+        P.target_size(256, 128, (100, 50), "crop")
+
+
+def test_check_request_names_bad_values():
+    for kwargs, pattern in [
+        ({"sr_resolution_scale": 3.0}, "got 3.0"),
+        ({"sr_tiles_batch_size": 0}, "sr_tiles_batch_size"),
+        ({"sr_tile_min_overlap": 1.0}, "sr_tile_min_overlap"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"output_file_name": "../x.mp4"}, "path separators"),
+        ({"sr_target_resize_mode": "stretch"}, "stretch"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            P.check_request(P.SRParams(**kwargs))
+
+
+def test_default_output_name():
+    assert P.default_output_name("clip", P.SRParams(sr_resolution_scale=2.0, seed=7)) == "clip_srx2_seed7.mp4"
+    assert P.default_output_name("clip", P.SRParams()) == "clip_srx2.25_seed42.mp4"
+    assert P.default_output_name("clip", P.SRParams(sr_resolution_scale=4)) == "clip_srx4_seed42.mp4"
+
+
+def test_resolve_video_path(tmp_path: Path):
+    allowed = tmp_path / "allowed"
+    outside = tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "a.mp4").write_bytes(b"x")
+    (outside / "b.mp4").write_bytes(b"x")
+    os.symlink(outside / "b.mp4", allowed / "escape.mp4")
+    os.symlink(allowed / "a.mp4", allowed / "inside.mp4")
+
+    assert P.resolve_video_path(str(allowed / "a.mp4"), [str(allowed)]) == (allowed / "a.mp4").resolve()
+    assert P.resolve_video_path(str(allowed / "inside.mp4"), [str(allowed)]) == (allowed / "a.mp4").resolve()
+    with pytest.raises(ValueError, match="outside the allowed"):
+        P.resolve_video_path(str(outside / "b.mp4"), [str(allowed)])
+    with pytest.raises(ValueError, match="outside the allowed"):
+        P.resolve_video_path(str(allowed / "escape.mp4"), [str(allowed)])
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        P.resolve_video_path(str(allowed / ".." / "outside" / "b.mp4"), [str(allowed)])
+    with pytest.raises(ValueError, match="--allowed-video-dir"):
+        P.resolve_video_path(str(allowed / "a.mp4"), [])
+    with pytest.raises(ValueError, match="does not exist"):
+        P.resolve_video_path(str(allowed / "missing.mp4"), [str(allowed)])
+
+
+# ----------------------------------------------------------------------------- attention processor
+def _sdpa_reference(attn, hidden_states, rope):
+    from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary
+
+    q = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    k = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    v = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    q = apply_rotary(attn.query_norm(q.float()).type_as(q), rope)
+    k = apply_rotary(attn.key_norm(k.float()).type_as(k), rope)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
+
+
+def _rope(num_tokens: int, head_dim: int) -> torch.Tensor:
+    angles = torch.rand(num_tokens, 1, head_dim // 2) * 6.0
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    return torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))
+
+
+def test_dense_processor_matches_sdpa_and_column_sharding():
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
+
+    from tilecast.runtime.k6sr.attention import K6SRDenseAttnProcessor
+
+    torch.manual_seed(0)
+    dim, head_dim, tokens = 192, 16, 40
+    attn = Kandinsky6SRAttention(dim, head_dim).eval()
+    x = torch.randn(2, tokens, dim)
+    rope = _rope(tokens, head_dim)
+    with torch.no_grad():
+        expected = _sdpa_reference(attn, x, rope)
+        attn.set_processor(K6SRDenseAttnProcessor())
+        assert isinstance(attn.processor, K6SRDenseAttnProcessor)
+        got = attn(x, rope, {})
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+        # Tensor parallel: column-shard q/k/v (whole heads) and row-shard out_layer; partial sums add up.
+        for num_shards in (2, 3, 4):
+            width = dim // num_shards
+            total = torch.zeros_like(expected)
+            for shard in range(num_shards):
+                rows = slice(shard * width, (shard + 1) * width)
+                part = Kandinsky6SRAttention(dim, head_dim)
+                part.query_norm.load_state_dict(attn.query_norm.state_dict())
+                part.key_norm.load_state_dict(attn.key_norm.state_dict())
+                for name in ("to_query", "to_key", "to_value"):
+                    full = getattr(attn, name)
+                    linear = torch.nn.Linear(dim, width)
+                    linear.weight.copy_(full.weight[rows])
+                    linear.bias.copy_(full.bias[rows])
+                    setattr(part, name, linear)
+                out_layer = torch.nn.Linear(width, dim, bias=False)
+                out_layer.weight.copy_(attn.out_layer.weight[:, rows])
+                part.out_layer = out_layer
+                part.set_processor(K6SRDenseAttnProcessor())
+                total += part(x, rope, {})
+            total += attn.out_layer.bias
+            assert torch.allclose(total, expected, atol=1e-5, rtol=1e-5), num_shards
+
+
+def test_install_dense_attention_replaces_every_layer():
+    from diffusers import Kandinsky6SRTransformer3DModel
+
+    from tilecast.runtime.k6sr.attention import K6SRDenseAttnProcessor, dense_processors, install_dense_attention
+
+    model = Kandinsky6SRTransformer3DModel(
+        in_visual_dim=4, out_visual_dim=40, time_dim=8, model_dim=32, ff_dim=32, num_visual_blocks=3,
+        axes_dims=(4, 6, 6),
+    )
+    assert install_dense_attention(model, backend="torch_sdpa") == 3
+    processors = dense_processors(model)
+    assert len(processors) == 3 and all(isinstance(p, K6SRDenseAttnProcessor) for p in processors)
+    assert {p.backend for p in processors} == {"torch_sdpa"}
