@@ -103,6 +103,9 @@ def serve(
     max_queued_requests: Annotated[int, typer.Option("--max-queued-requests", help="Queue bound (overflow is refused).")] = 256,
     max_message_mb: Annotated[float, typer.Option("--max-message-mb", help="Largest accepted message (ZMQ_MAXMSGSIZE).")] = 512.0,
     output_dir: Annotated[Path, typer.Option("--output-dir", help="Where result files are written.")] = Path("outputs"),
+    http_port: Annotated[Optional[int], typer.Option("--http-port", help="Serve the OpenAI-style HTTP API on this port (off unless given; 0: any free port).")] = None,
+    http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
+    max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
 ) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
@@ -115,7 +118,7 @@ def serve(
             host=host, port=port, batching_mode=batching_mode, batching_max_size=batching_max_size,
             batching_delay_ms=batching_delay_ms, batching_config=batching_config,
             enable_batching_metrics=enable_batching_metrics, max_queued_requests=max_queued_requests,
-            max_message_mb=max_message_mb,
+            max_message_mb=max_message_mb, http_port=http_port, http_host=http_host, max_upload_mb=max_upload_mb,
         )
         if batching_config is not None:
             from tilecast.scheduler.batching_rules import BatchingRules
@@ -165,6 +168,7 @@ def generate(
     save_output: Annotated[bool, typer.Option("--save-output/--no-save-output", help="Write the result file (always on).")] = True,
     output_path: Annotated[Path, typer.Option("--output-path", help="Directory for the result.")] = Path("outputs"),
     output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
+    save_frames: Annotated[bool, typer.Option("--save-frames", help="Also save the raw uint8 frames as .npy.")] = False,
 ) -> None:
     """Run one request offline on the same ranks and pipeline as ``serve``."""
     if not save_output:
@@ -175,7 +179,7 @@ def generate(
         "sr_tile_min_overlap": sr_tile_min_overlap, "sr_target_resolution": sr_target_resolution,
         "sr_target_resize_mode": sr_target_resize_mode, "prompt": prompt, "width": width, "height": height,
         "num_frames": num_frames, "guidance_scale": guidance_scale, "num_inference_steps": num_inference_steps,
-        "seed": seed, "output_file_name": output_file_name,
+        "seed": seed, "output_file_name": output_file_name, "return_frames": True if save_frames else None,
     }
     fields = {key: value for key, value in fields.items() if value is not None}
     if video_path is not None and not video_path.is_file():

@@ -56,6 +56,8 @@ class ServeConfig:
     """Attention backend name (None: the fastest correct one for the device)."""
     vae: VaeConfig = dataclasses.field(default_factory=VaeConfig)
     """Parallel decode settings (``--vae-config.*``)."""
+    tile_parallel: bool = False
+    """Deal whole tile chunks to data-parallel groups for the DiT too (identical output)."""
     batching_mode: str = "off"
     """``off`` or ``dynamic``."""
     batching_max_size: int = 1
@@ -78,6 +80,13 @@ class ServeConfig:
     """Where the output rank writes result files."""
     allowed_video_dirs: tuple[Path, ...] = ()
     """Directories whose files a request's ``video_path`` may name."""
+    http_port: int | None = None
+    """Port of rank 0's OpenAI-style HTTP front end (None: no HTTP; 0: pick a free one)."""
+    http_host: str = "127.0.0.1"
+    """Interface the HTTP front end binds (another one only when asked)."""
+    max_upload_mb: float = 512.0
+    """Largest HTTP request body (uploaded video and fields); a larger one is refused with 413
+    before it is read. At most ``max_message_mb``, since the upload travels to the scheduler in one message."""
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
@@ -105,6 +114,16 @@ class ServeConfig:
             raise ValueError(f"--heartbeat-timeout-s must be > 1, got {self.heartbeat_timeout_s}")
         if self.stuck_timeout_s <= 0:
             raise ValueError(f"--stuck-timeout-s must be > 0, got {self.stuck_timeout_s}")
+        if self.http_port is not None and (isinstance(self.http_port, bool) or not isinstance(self.http_port, int)
+                                           or not 0 <= self.http_port <= 65535):
+            raise ValueError(f"--http-port must be in 0..65535, got {self.http_port!r}")
+        if not self.max_upload_mb > 0:
+            raise ValueError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        if self.http_port is not None and self.max_upload_mb > self.max_message_mb:
+            raise ValueError(
+                f"--max-upload-mb {self.max_upload_mb:g} exceeds --max-message-mb {self.max_message_mb:g}: an upload"
+                " travels to the scheduler in one message, so raise --max-message-mb too"
+            )
 
     @property
     def resolved_dtype(self) -> str:
@@ -125,4 +144,5 @@ class ServeConfig:
             "ulysses_degree": self.ulysses_degree,
             "ring_degree": self.ring_degree,
             "vae": dataclasses.asdict(self.vae),
+            "tile_parallel": self.tile_parallel,
         }

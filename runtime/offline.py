@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import msgspec
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -64,6 +65,11 @@ def generate(config: ServeConfig, fields: dict) -> int:
             if ok:
                 for item in outputs[0].files:
                     console.print(f"[green]saved[/green] {Path(item.path).resolve()}")
+                stem = Path(outputs[0].files[0].name).stem if outputs[0].files else "output"
+                for name, tensor in outputs[0].tensors.items():
+                    path = (config.output_dir / f"{stem}.{name}.npy").resolve()
+                    np.save(path, tensor.cpu().numpy())
+                    console.print(f"[green]saved[/green] {path}")
             else:
                 error = failure or "the request failed on another rank (see its log)"
         code = 0 if ok else 1

@@ -36,6 +36,8 @@ class RankContext:
     """The process group for device tensors (NCCL on CUDA, the gloo group on CPU)."""
     output_dir: Path
     """Where the output rank writes result files."""
+    groups: Any = None
+    """``tilecast.runtime.topology.ParallelGroups`` of this run's mesh (None with one rank)."""
     options: dict = dataclasses.field(default_factory=dict)
     """Server-wide pipeline options (topology, attention backend, vae config, ...)."""
     on_progress: Callable[[int, int], None] | None = None

@@ -74,6 +74,25 @@ def write_pid_file(rank: int) -> None:
         Path(run_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
 
 
+def build_groups(config: ServeConfig, ranks: Ranks):
+    """The topology's process groups (collective on every rank); None with one rank."""
+    if not ranks.distributed:
+        return None
+    from tilecast.runtime.topology import Topology
+
+    model_parallel = config.tp_size * config.ulysses_degree * config.ring_degree
+    if ranks.world_size % model_parallel:
+        raise ValueError(
+            f"{ranks.world_size} ranks cannot hold TP {config.tp_size} x Ulysses {config.ulysses_degree}"
+            f" x Ring {config.ring_degree} = {model_parallel}"
+        )
+    topology = Topology(
+        num_gpus=ranks.world_size, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree, dp_degree=ranks.world_size // model_parallel,
+    )
+    return topology.groups(topology.build_mesh(ranks.device.type))
+
+
 def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] | None = None) -> RankRuntime:
     """Process groups, pipeline load on every rank; raises on every rank if any rank failed to load."""
     ranks = init_ranks(config.device, timeout_s=config.stuck_timeout_s + 60.0)
@@ -90,7 +109,7 @@ def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] |
     ctx = RankContext(
         rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, cpu_group=ranks.cpu_group,
         device_group=ranks.device_group, output_dir=config.output_dir, options=config.pipeline_options(),
-        on_progress=progress,
+        on_progress=progress, groups=build_groups(config, ranks),
     )
     error = None
     pipeline = None

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tilecast.runtime.k6sr import video_io
+from tilecast.runtime.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.k6sr.attention import install_dense_attention
 from tilecast.runtime.k6sr.loading import K6SRComponents, load_components, parse_dtype
 from tilecast.runtime.k6sr.params import (
@@ -105,6 +106,10 @@ class K6SRPipeline(Pipeline):
             backend=options.get("attention_backend"),
             parallel=options.get("attention_parallel"),
         )
+        if ctx.groups is not None:
+            groups = dit_groups_from_mesh(ctx.groups.mesh)
+            if any(group is not None for group in groups.values()):
+                apply_dit_parallel(parts.transformer, **groups, backend=options.get("attention_backend"))
         return cls(parts, ctx, model_name=model_path)
 
     # --------------------------------------------------------------- prepare
