@@ -53,6 +53,7 @@ def _validate_topology(config: ServeConfig) -> None:
     errors = validate_serve_topology(
         config.num_gpus, config.tp_size, config.ulysses_degree, config.ring_degree, num_heads=num_heads,
         attention_backend=_picker_backend(config.attention_backend), hardware=hardware,
+        placement=config.placement.picker_name,
     )
     if errors:
         for error in errors:
@@ -93,6 +94,11 @@ def serve(
     allowed_video_dir: O.AllowedVideoDir = None,
     heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
     stuck_timeout_s: O.StuckTimeout = 300.0,
+    layerwise_offload_components: O.LayerwiseOffload = None,
+    cpu_offload_components: O.CpuOffload = None,
+    dit_offload_prefetch_size: O.DitPrefetch = 1,
+    dit_layerwise_resident_layers: O.DitResidentLayers = 0,
+    use_fsdp_inference: O.UseFsdp = "false",
     host: Annotated[str, typer.Option("--host", help="Interface to bind (127.0.0.1 unless asked).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Scheduler port (ZeroMQ ROUTER).")] = 30010,
     batching_mode: Annotated[str, typer.Option("--batching-mode", help="off | dynamic.")] = "off",
@@ -106,6 +112,7 @@ def serve(
     http_port: Annotated[Optional[int], typer.Option("--http-port", help="Serve the OpenAI-style HTTP API on this port (off unless given; 0: any free port).")] = None,
     http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
     max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
+    tile_parallel: O.TileParallel = False,
 ) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
@@ -119,6 +126,10 @@ def serve(
             batching_delay_ms=batching_delay_ms, batching_config=batching_config,
             enable_batching_metrics=enable_batching_metrics, max_queued_requests=max_queued_requests,
             max_message_mb=max_message_mb, http_port=http_port, http_host=http_host, max_upload_mb=max_upload_mb,
+            tile_parallel=tile_parallel,
+            layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
+            dit_offload_prefetch_size=dit_offload_prefetch_size,
+            dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,
         )
         if batching_config is not None:
             from tilecast.scheduler.batching_rules import BatchingRules
@@ -152,6 +163,11 @@ def generate(
     parallel_decode_mode: O.ParallelDecodeMode = "spatial_shard",
     heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
     stuck_timeout_s: O.StuckTimeout = 300.0,
+    layerwise_offload_components: O.LayerwiseOffload = None,
+    cpu_offload_components: O.CpuOffload = None,
+    dit_offload_prefetch_size: O.DitPrefetch = 1,
+    dit_layerwise_resident_layers: O.DitResidentLayers = 0,
+    use_fsdp_inference: O.UseFsdp = "false",
     video_path: Annotated[Optional[Path], typer.Option("--video-path", help="Source video (SR).")] = None,
     sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
     sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
@@ -169,6 +185,7 @@ def generate(
     output_path: Annotated[Path, typer.Option("--output-path", help="Directory for the result.")] = Path("outputs"),
     output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
     save_frames: Annotated[bool, typer.Option("--save-frames", help="Also save the raw uint8 frames as .npy.")] = False,
+    tile_parallel: O.TileParallel = False,
 ) -> None:
     """Run one request offline on the same ranks and pipeline as ``serve``."""
     if not save_output:
@@ -192,6 +209,10 @@ def generate(
             parallel_decode_mode=parallel_decode_mode,
             allowed_video_dir=[video_path.resolve().parent] if video_path else None,
             heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_path,
+            tile_parallel=tile_parallel,
+            layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
+            dit_offload_prefetch_size=dit_offload_prefetch_size,
+            dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,
         )
         _validate_topology(config)
     except ValueError as exc:
@@ -208,7 +229,10 @@ def generate(
 def _mount_subcommands() -> None:
     from tilecast.launcher.topology_cli import topology_app
 
+    from tilecast.launcher.bench_cli import bench_app
+
     app.add_typer(topology_app, name="topology", help="Validate, pick and plan parallel topologies.")
+    app.add_typer(bench_app, name="bench", help="Benchmarks against their peers (GPU).")
 
 
 _mount_subcommands()

@@ -39,6 +39,12 @@ ParallelDecodeMode = Annotated[str, typer.Option("--vae-config.parallel-decode-m
 AllowedVideoDir = Annotated[Optional[list[Path]], typer.Option("--allowed-video-dir", help="Directory whose files requests may name as video_path (repeatable).")]
 HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="A silent rank is dead after this many seconds.")]
 StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
+TileParallel = Annotated[bool, typer.Option("--tile-parallel", help="Deal whole tile chunks to data-parallel groups for the DiT too (same output).")]
+LayerwiseOffload = Annotated[Optional[str], typer.Option("--layerwise-offload-components", help="Stream these components' blocks from host memory: all, or transformer/vae/latent_upscaler (space or comma separated).")]
+CpuOffload = Annotated[Optional[str], typer.Option("--cpu-offload-components", help="Move these components to the device whole around their use: all, or transformer/vae/latent_upscaler.")]
+DitPrefetch = Annotated[int, typer.Option("--dit-offload-prefetch-size", help="DiT blocks prefetched ahead while streaming the DiT (1-4).")]
+DitResidentLayers = Annotated[int, typer.Option("--dit-layerwise-resident-layers", help="Leading DiT blocks kept on the device while streaming the DiT (0-8).")]
+UseFsdp = Annotated[str, typer.Option("--use-fsdp-inference", help="Shard the DiT's weights across the ranks with FSDP2: true|false (2+ GPUs).")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="Rank 0 log level.")]
 
 
@@ -56,7 +62,9 @@ def common_config(
     *, model_path: str, model_id: str | None, num_gpus: int, tp_size: int, ulysses_degree: int, ring_degree: int,
     device: str, dtype: str | None, attention_backend: str | None, parallel_tiling: str, parallel_decode: str,
     parallel_decode_mode: str, allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
-    stuck_timeout_s: float, output_dir: Path, **extra,
+    stuck_timeout_s: float, output_dir: Path, layerwise_offload_components: str | None = None,
+    cpu_offload_components: str | None = None, dit_offload_prefetch_size: int = 1,
+    dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, **extra,
 ) -> ServeConfig:
     """Build the validated config; ``ValueError`` (shown as a usage error) names the bad value.
 
@@ -80,5 +88,8 @@ def common_config(
         attention_backend=attention_backend, vae=vae,
         allowed_video_dirs=tuple(p.resolve() for p in (allowed_video_dir or [])),
         heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
+        layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
+        dit_offload_prefetch_size=dit_offload_prefetch_size, dit_layerwise_resident_layers=dit_layerwise_resident_layers,
+        use_fsdp_inference=parse_bool(use_fsdp_inference, "--use-fsdp-inference"),
         **extra,
     )

@@ -87,6 +87,22 @@ class ServeConfig:
     max_upload_mb: float = 512.0
     """Largest HTTP request body (uploaded video and fields); a larger one is refused with 413
     before it is read. At most ``max_message_mb``, since the upload travels to the scheduler in one message."""
+    layerwise_offload_components: str | None = None
+    """Components whose blocks stream from host memory just before they run (``all``, or
+    ``transformer``/``vae``/``latent_upscaler``, space or comma separated; None: none). Non-block
+    weights and temporal caches stay on the device. See ``runtime/placement.py``."""
+    cpu_offload_components: str | None = None
+    """Components kept in host memory and moved to the device whole around their use (same
+    syntax; disjoint from ``layerwise_offload_components``; None: none)."""
+    dit_offload_prefetch_size: int = 1
+    """DiT blocks prefetched ahead while streaming the DiT (1-4; ignored, with a warning, unless
+    ``layerwise_offload_components`` includes the transformer)."""
+    dit_layerwise_resident_layers: int = 0
+    """Leading DiT blocks kept on the device while streaming the DiT (0-8; ignored, with a
+    warning, unless ``layerwise_offload_components`` includes the transformer)."""
+    use_fsdp_inference: bool = False
+    """Shard the DiT's weights across all ranks with FSDP2 (at least 2 ranks; not with TP, not
+    with the DiT offloaded)."""
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
@@ -119,11 +135,32 @@ class ServeConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port!r}")
         if not self.max_upload_mb > 0:
             raise ValueError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        placement = self.placement  # ValueError naming the flag
+        self.layerwise_offload_components = placement.as_options()["layerwise_offload_components"]
+        self.cpu_offload_components = placement.as_options()["cpu_offload_components"]
+        placement.check_topology(
+            world_size=self.num_gpus, check_rank_count=False,  # FSDP on one GPU: the picker's rule (cli)
+            tp_size=self.tp_size, unit_size=self.tp_size * self.ulysses_degree * self.ring_degree,
+            tile_parallel=self.tile_parallel,
+        )
         if self.http_port is not None and self.max_upload_mb > self.max_message_mb:
             raise ValueError(
                 f"--max-upload-mb {self.max_upload_mb:g} exceeds --max-message-mb {self.max_message_mb:g}: an upload"
                 " travels to the scheduler in one message, so raise --max-message-mb too"
             )
+
+    @property
+    def placement(self):
+        """The validated ``tilecast.runtime.placement.PlacementConfig`` of the placement fields."""
+        from tilecast.runtime.placement import PlacementConfig  # imports torch: only when used
+
+        return PlacementConfig(
+            layerwise_offload_components=self.layerwise_offload_components,
+            cpu_offload_components=self.cpu_offload_components,
+            dit_offload_prefetch_size=self.dit_offload_prefetch_size,
+            dit_layerwise_resident_layers=self.dit_layerwise_resident_layers,
+            use_fsdp_inference=self.use_fsdp_inference,
+        )
 
     @property
     def resolved_dtype(self) -> str:
@@ -145,4 +182,5 @@ class ServeConfig:
             "ring_degree": self.ring_degree,
             "vae": dataclasses.asdict(self.vae),
             "tile_parallel": self.tile_parallel,
+            **self.placement.as_options(),
         }

@@ -27,6 +27,11 @@ class InProcessServer:
     def endpoint(self) -> str:
         return self.zero.sockets.bound_endpoint
 
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the HTTP front end (``http_port`` set), else None."""
+        return self.zero.http.url if self.zero.http is not None else None
+
     def _compute(self) -> None:
         try:
             compute_loop(
@@ -48,6 +53,7 @@ class InProcessServer:
         self._thread.join(timeout)
         self.zero.scheduler.halt()
         self.zero.watchdog.stop()
+        self.zero.stop_http()
         self.zero.sockets.stop()
         self.rt.pipeline.close()
 

@@ -42,6 +42,7 @@ def generate(config: ServeConfig, fields: dict) -> int:
         progress.update(task, completed=done, total=total)
 
     rt = start_rank(config, on_progress=on_progress)
+    rt.ctx.options["flat_output"] = True
     plan, error = None, None
     if rt.ranks.rank == 0:
         try:

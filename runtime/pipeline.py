@@ -47,6 +47,13 @@ class RankContext:
     def is_output_rank(self) -> bool:
         return self.rank == 0
 
+    def job_dir(self, job_id: str) -> Path:
+        """Where a job's files go: a folder per job when serving (names never collide), the output
+        directory itself for ``tilecast generate`` (option ``flat_output``)."""
+        directory = self.output_dir if self.options.get("flat_output") else self.output_dir / job_id
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
     def progress(self, done: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(done, total)

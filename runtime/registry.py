@@ -20,11 +20,19 @@ logger = logging.getLogger(__name__)
 BUILTIN_MODELS: dict[str, str] = {
     "test/allreduce": "tilecast.runtime.probe:AllReducePipeline",
     "tiny/k6sr": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+    "tiny/flux": "tilecast.runtime.families.flux:FluxT2IPipeline",
+    "tiny/qwen-image": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
+    "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
+    "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:WanT2VPipeline",
 }
 
 # diffusers pipeline class name (model_index.json) -> "module:Class"
 DIFFUSERS_CLASSES: dict[str, str] = {
     "Kandinsky6SRPipeline": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+    "FluxPipeline": "tilecast.runtime.families.flux:FluxT2IPipeline",
+    "QwenImagePipeline": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
+    "ZImagePipeline": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
+    "WanPipeline": "tilecast.runtime.families.wan:WanT2VPipeline",
 }
 
 # substrings of a model id (--model-id, or the directory name) -> "module:Class"

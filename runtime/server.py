@@ -56,6 +56,15 @@ class RankZero:
                                   stuck_timeout_s=config.stuck_timeout_s),
             on_fatal=self.fail,
         )
+        self.http = None
+        """The OpenAI-style HTTP front end (``--http-port``), a ZeroMQ client of this scheduler."""
+        if config.http_port is not None:
+            from tilecast.scheduler.http_server import HttpFrontEnd
+
+            self.http = HttpFrontEnd.for_scheduler(
+                endpoint=self.sockets.bound_endpoint, pipeline=rt.pipeline, host=config.http_host,
+                port=config.http_port, max_upload_mb=config.max_upload_mb, max_message_mb=config.max_message_mb,
+            )
         self._exit_lock = threading.Lock()
         self._exiting = False
 
@@ -66,6 +75,13 @@ class RankZero:
         self.scheduler.start()
         self.sockets.start()
         self.watchdog.start()
+        if self.http is not None:
+            self.http.start()
+
+    def stop_http(self) -> None:
+        """Stop the HTTP front end (before the scheduler's socket goes away)."""
+        if self.http is not None:
+            self.http.stop()
 
     def fail(self, reason: str, *, exit_code: int = 1) -> None:
         """Fail every job with ``reason``, flush the replies, exit the process (when it owns it)."""
@@ -79,6 +95,8 @@ class RankZero:
         while self.scheduler.status != DEAD and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.2)  # let the last replies reach the socket thread
+        if not self.exit_process:
+            self.stop_http()
         self.sockets.stop()
         self.watchdog.stop()
         if self.exit_process:
@@ -139,6 +157,7 @@ def serve(config: ServeConfig) -> int:
         except Exception as exc:  # noqa: BLE001 - a broken collective ends the run
             zero.fail(f"a collective failed ({type(exc).__name__}: {exc}); a rank probably died")
         zero.watchdog.stop()
+        zero.stop_http()
         time.sleep(0.3)  # final replies (shutdown acknowledgements) reach the socket thread
         zero.sockets.stop()
         logger.info("tilecast stopped")

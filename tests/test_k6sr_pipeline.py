@@ -75,7 +75,7 @@ def test_scales_give_sized_mp4_with_mono_44k_audio(pipe, media_dir, tmp_path, sc
                  progress=lambda done, total: progress.append((done, total)))
 
     assert [f.name for f in out.files] == [f"clip_{scale}_srx{scale:g}_seed42.mp4"]
-    assert out.files[0].mime == "video/mp4" and out.files[0].path.parent == tmp_path
+    assert out.files[0].mime == "video/mp4" and out.files[0].path.parent == tmp_path / "job"  # a folder per job
     mp4 = describe_mp4(out.files[0].path)
     assert (mp4["width"], mp4["height"]) == expected == (out.info["width"], out.info["height"])
     assert mp4["codec"] == "h264" and mp4["num_frames"] == num_frames == out.info["num_frames"]
@@ -128,7 +128,7 @@ def test_target_resolution_only_downscales(pipe, media_dir, tmp_path, target, mo
     params = SRParams(video_path=str(src), sr_resolution_scale=2, sr_target_resolution=target,
                       sr_target_resize_mode=mode, output_file_name="custom.mp4")
     out = submit(pipe, tmp_path, params)
-    assert out.files[0].name == "custom.mp4" and out.files[0].path == tmp_path / "custom.mp4"
+    assert out.files[0].name == "custom.mp4" and out.files[0].path == tmp_path / "job" / "custom.mp4"
     mp4 = describe_mp4(out.files[0].path)
     assert (mp4["width"], mp4["height"]) == expected == (out.info["width"], out.info["height"])
 

@@ -17,7 +17,12 @@ a flag to tell real slots from empty ones. Every rank issues the same collective
 order. All ranks end up with the blended video (the pipeline runs identical post-processing on
 every rank; only the output rank's copy is written).
 
-The gather runs on the group given: on CUDA the NCCL device group, on CPU gloo.
+Tile-parallel (``tile_parallel.py``) reuses :func:`blend_rounds` with units of several ranks (one DP
+replica each) in place of single ranks: chunk ``c`` then belongs to unit ``c % num_units``.
+
+The gather runs on the group given: on CUDA the NCCL device group, on CPU gloo. Bit-exactness
+holds for the same per-rank setup: CPU kernels split work by thread count, so the serial reference
+must run with the ranks' thread count (the tests use one thread everywhere).
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ DecodeFn = Callable[[torch.Tensor], torch.Tensor]
 """``latents_BCTHW`` (scaled, as denoised) → float ``video_BCFHW`` in ``[-1, 1]``."""
 
 
-def owner_of(chunk: int, group_size_: int) -> int:
-    """Group rank that works on chunk ``chunk`` (round-robin by chunk index)."""
-    return chunk % group_size_
+def owner_of(chunk: int, num_units: int) -> int:
+    """The unit (a rank, or a DP replica under tile-parallel) that works on chunk ``chunk``: round-robin."""
+    return chunk % num_units
 
 
-def num_rounds(num_chunks: int, group_size_: int) -> int:
-    return -(-num_chunks // group_size_)
+def num_rounds(num_chunks: int, num_units: int) -> int:
+    return -(-num_chunks // num_units)
 
 
 def blend_rounds(
@@ -56,32 +61,40 @@ def blend_rounds(
     group,
     device,
     overlap: bool = False,
+    unit_size: int = 1,
 ) -> torch.Tensor:
     """Gather the chunks round by round and blend them in chunk order: ``video_BCFHW`` on every rank.
 
-    ``chunk_tiles[c]`` are chunk ``c``'s tile indices (the same list on every rank).
-    ``produce(c)`` is called on the owning rank only, for its chunks in increasing order, and
-    returns the decoded ``video_BCFHW`` of chunk ``c``. With ``overlap`` the gather of round ``r``
-    runs asynchronously while round ``r + 1`` is produced (then a rank holds two rounds).
+    The group's ranks form units of ``unit_size`` consecutive ranks (1: every rank a unit; under
+    tile-parallel with a sharded DiT, one DP replica). Chunk ``c`` belongs to unit ``c % num_units``
+    and round ``r`` holds chunks ``r * num_units ..``. ``chunk_tiles[c]`` are chunk ``c``'s tile
+    indices (the same list on every rank). ``produce(c)`` is called on every rank of the owning
+    unit, for its chunks in increasing order, and returns the decoded ``video_BCFHW`` of chunk
+    ``c`` (the same on every rank of the unit; the unit's first rank's copy is blended). With
+    ``overlap`` the gather of round ``r`` runs asynchronously while round ``r + 1`` is produced
+    (then a rank holds two rounds).
     """
     size, index = group_size(group), group_rank(group)
+    if unit_size < 1 or size % unit_size:
+        raise ValueError(f"unit_size {unit_size} does not divide the group of {size} ranks")
+    num_units, unit = size // unit_size, index // unit_size
     blender = TileBlender(plan, batch_size=1, num_frames=num_frames, device=device)
     base_h, base_w = plan.base_size
     widest = max(len(tiles) for tiles in chunk_tiles)
     slot_shape = (widest, 3, num_frames, base_h, base_w)
 
     def blend(first_chunk: int, round_GBCFHW: Sequence[torch.Tensor]) -> None:
-        for slot, video_BCFHW in enumerate(round_GBCFHW):
-            chunk = first_chunk + slot
+        for owner in range(num_units):
+            chunk = first_chunk + owner
             if chunk >= len(chunk_tiles):
                 break
-            for tile_CFHW, tile_index in zip(video_BCFHW, chunk_tiles[chunk]):
+            for tile_CFHW, tile_index in zip(round_GBCFHW[owner * unit_size], chunk_tiles[chunk]):
                 blender.add(tile_index, tile_CFHW)
 
     pending: tuple[int, Any, list[torch.Tensor]] | None = None
-    for round_index in range(num_rounds(len(chunk_tiles), size)):
-        first = round_index * size
-        mine = first + index
+    for round_index in range(num_rounds(len(chunk_tiles), num_units)):
+        first = round_index * num_units
+        mine = first + unit
         send = torch.zeros(slot_shape, dtype=torch.float32, device=device)
         if mine < len(chunk_tiles):
             video_BCFHW = produce(mine)

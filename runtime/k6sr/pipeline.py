@@ -12,6 +12,11 @@ Options read from ``RankContext.options`` at load:
 - ``attention_backend`` / ``attention_parallel``: passed to ``tilecast.kernels.attention``;
 - ``model_id``: routing only (see ``runtime/registry.py``);
 - ``cache_dir``: where ``tiny/k6sr`` is generated (default ``$TILECAST_CACHE``).
+- ``vae`` (``--vae-config.*``), ``tile_parallel``: how tiles are spread over the ranks
+  (``tile_parallel.TileWork``).
+- ``layerwise_offload_components``, ``cpu_offload_components``, ``dit_offload_prefetch_size``,
+  ``dit_layerwise_resident_layers``, ``use_fsdp_inference``: weight placement
+  (``runtime/placement.py``), applied last.
 
 Shapes: ``video_BCFHW`` float ``[-1, 1]``; ``frames_FHWC`` uint8.
 """
@@ -40,7 +45,9 @@ from tilecast.runtime.k6sr.params import (
     target_size,
 )
 from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, make_plan, upscale_video, video_to_frames
+from tilecast.runtime.k6sr.tile_parallel import TileWork
 from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.placement import AppliedPlacement, apply_placement
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
 logger = logging.getLogger(__name__)
@@ -86,6 +93,9 @@ class K6SRPipeline(Pipeline):
         self.ctx = ctx
         self.model_name = model_name
         self.allowed_video_dirs: list[str] = [str(d) for d in ctx.options.get("allowed_video_dirs") or []]
+        self.tile_work = TileWork.from_context(ctx)
+        self.placement: AppliedPlacement | None = None
+        """Where the weights live (``runtime/placement.py``); set by ``load``."""
 
     # ------------------------------------------------------------------ load
     @classmethod
@@ -110,7 +120,9 @@ class K6SRPipeline(Pipeline):
             groups = dit_groups_from_mesh(ctx.groups.mesh)
             if any(group is not None for group in groups.values()):
                 apply_dit_parallel(parts.transformer, **groups, backend=options.get("attention_backend"))
-        return cls(parts, ctx, model_name=model_path)
+        pipeline = cls(parts, ctx, model_name=model_path)
+        pipeline.placement = apply_placement(parts, ctx, options)
+        return pipeline
 
     # --------------------------------------------------------------- prepare
     def prepare(self, params: msgspec.Struct, uploads: dict[str, bytes]) -> SRParams:
@@ -152,7 +164,10 @@ class K6SRPipeline(Pipeline):
         """Frames in, float ``video_BCFHW`` in ``[-1, 1]`` out (before target resize and quantisation)."""
         on_progress = ctx.progress if ctx is not None else None
         video_BCFHW = frames_to_video(frames_FHWC, self.parts.device)
-        return upscale_video(self.parts, video_BCFHW, settings_of(params), on_progress=on_progress, timings=timings)
+        return upscale_video(
+            self.parts, video_BCFHW, settings_of(params), on_progress=on_progress, timings=timings,
+            tile_work=self.tile_work,
+        )
 
     def _run_one(self, item: WorkItem, ctx: RankContext) -> Output:
         params = item.params
@@ -191,8 +206,7 @@ class K6SRPipeline(Pipeline):
             output.tensors["frames"] = frames_FHWC
         if ctx.is_output_rank:
             name = params.output_file_name or default_output_name(stem, params)
-            ctx.output_dir.mkdir(parents=True, exist_ok=True)
-            path = ctx.output_dir / name
+            path = ctx.job_dir(item.job_id) / name
             video_io.write_mp4(path, frames_FHWC, clip.fps, clip.audio_S)
             output.files.append(OutputFile(name=name, path=path, mime="video/mp4"))
         timings["output"] = time.perf_counter() - started

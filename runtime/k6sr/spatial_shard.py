@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRCausalConv3d,
-    Kandinsky6SRSafeConv3d,
     Kandinsky6SRUpsample,
 )
 from torch import nn
@@ -190,6 +189,7 @@ def decode_spatial_shard(
     num_rows = latents_BCTHW.shape[ROW_DIM]
     sizes = shard_sizes(num_rows, group)
     if sizes is None:
+        logger.debug("spatial shard: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
         return decode(latents_BCTHW)
     index = group_rank(group)
     top = sum(sizes[:index])

@@ -37,6 +37,7 @@ from tilecast.runtime.k6sr.tiling import (
     snapped_size,
     split_scale,
 )
+from tilecast.runtime.placement import on_device
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +105,16 @@ def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tens
     vae = parts.vae
     # The K-VAE was trained on pixels / 128 - 1, not pixels / 127.5 - 1.
     video = (video_BCFHW.to(vae.dtype) + 1) * (127.5 / 128) - 1
-    latents_BCTHW = vae.encode(video, return_dict=False)[0].mode()
+    with on_device(vae):
+        latents_BCTHW = vae.encode(video, return_dict=False)[0].mode()
     return latents_BCTHW * vae.config.scaling_factor
 
 
 def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor) -> torch.Tensor:
     """Decode scaled latents to a float32 ``[-1, 1]`` video."""
     vae = parts.vae
-    video = vae.decode(latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+    with on_device(vae):
+        video = vae.decode(latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
     return ((video.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
 
 
@@ -150,14 +153,16 @@ def low_res_tiles(
         latents_BCTHW = encode_video(parts, video_BCFHW)
         timings["encode"] = time.perf_counter() - started
         started = time.perf_counter()
-        for top, left in plan.grid:
-            crop = latents_BCTHW[:, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap]
-            tiles.append(upscaler(crop, scale=plan.tiling_scale, return_dict=False)[0])
+        with on_device(upscaler):  # component offload: the stage moves it once, not per tile
+            for top, left in plan.grid:
+                crop = latents_BCTHW[:, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap]
+                tiles.append(upscaler(crop, scale=plan.tiling_scale, return_dict=False)[0])
     else:
-        for top, left in plan.grid:
-            crop = video_BCFHW[:, :, :, top : top + tile_h, left : left + tile_w]
-            crop = _resize_frames(crop, plan.base_size, mode="bilinear", align_corners=False)
-            tiles.append(encode_video(parts, crop))
+        with on_device(parts.vae):
+            for top, left in plan.grid:
+                crop = video_BCFHW[:, :, :, top : top + tile_h, left : left + tile_w]
+                crop = _resize_frames(crop, plan.base_size, mode="bilinear", align_corners=False)
+                tiles.append(encode_video(parts, crop))
         timings["encode"] = 0.0
     timings["latent_upscale"] = time.perf_counter() - started
     return torch.stack(tiles, dim=1)[0].to(parts.dtype)
@@ -191,15 +196,16 @@ def denoise_chunk(
     noise = chunk_noise(lq_BTHWC.shape, seed, first_tile, dtype, device)
     latents = math.sqrt(1 - LQ_NOISE_SCALE**2) * lq_BTHWC + LQ_NOISE_SCALE * noise
     scheduler.set_timesteps(num_inference_steps, device=device)
-    for t in scheduler.timesteps:
-        # Input is [latent | anchor latent | anchor mask]; the released checkpoints are anchor-free (zeros).
-        anchor = torch.zeros_like(latents)
-        anchor_mask = torch.zeros((*latents.shape[:-1], 1), dtype=dtype, device=device)
-        model_input = torch.cat([latents, anchor, anchor_mask], dim=-1)
-        prediction = parts.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False)[0]
-        latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-        if on_step is not None:
-            on_step()
+    with on_device(parts.transformer):
+        for t in scheduler.timesteps:
+            # Input is [latent | anchor latent | anchor mask]; the released checkpoints are anchor-free (zeros).
+            anchor = torch.zeros_like(latents)
+            anchor_mask = torch.zeros((*latents.shape[:-1], 1), dtype=dtype, device=device)
+            model_input = torch.cat([latents, anchor, anchor_mask], dim=-1)
+            prediction = parts.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False)[0]
+            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step()
     return latents
 
 
@@ -221,17 +227,18 @@ def denoise_tiles(
             on_progress(done, total)
 
     results = []
-    for indices in chunks:
-        lq_BTHWC = tiles_NCTHW[indices.start : indices.stop].permute(0, 2, 3, 4, 1)
-        latents_BTHWC = denoise_chunk(
-            parts,
-            lq_BTHWC,
-            seed=settings.seed,
-            first_tile=indices.start,
-            num_inference_steps=settings.num_inference_steps,
-            on_step=step,
-        )
-        results.append((indices, latents_BTHWC.permute(0, 4, 1, 2, 3)))
+    with on_device(parts.transformer):  # component offload: moved once for all chunks
+        for indices in chunks:
+            lq_BTHWC = tiles_NCTHW[indices.start : indices.stop].permute(0, 2, 3, 4, 1)
+            latents_BTHWC = denoise_chunk(
+                parts,
+                lq_BTHWC,
+                seed=settings.seed,
+                first_tile=indices.start,
+                num_inference_steps=settings.num_inference_steps,
+                on_step=step,
+            )
+            results.append((indices, latents_BTHWC.permute(0, 4, 1, 2, 3)))
     return results
 
 
@@ -240,10 +247,11 @@ def decode_and_blend(
 ) -> torch.Tensor:
     """Decode the denoised chunks one at a time and Hann-blend them: ``video_BCFHW`` in ``[-1, 1]``."""
     blender = TileBlender(plan, batch_size=1, num_frames=num_frames, device=parts.device)
-    for indices, latents_BCTHW in chunks:
-        decoded_BCFHW = decode_latents(parts, latents_BCTHW)
-        for tile_CFHW, tile_index in zip(decoded_BCFHW, indices):
-            blender.add(tile_index, tile_CFHW)
+    with on_device(parts.vae):  # component offload: moved once for all chunks
+        for indices, latents_BCTHW in chunks:
+            decoded_BCFHW = decode_latents(parts, latents_BCTHW)
+            for tile_CFHW, tile_index in zip(decoded_BCFHW, indices):
+                blender.add(tile_index, tile_CFHW)
     return blender.result()
 
 
@@ -255,13 +263,15 @@ def upscale_video(
     *,
     on_progress: StepCallback | None = None,
     timings: dict[str, float] | None = None,
+    tile_work=None,
 ) -> tuple[torch.Tensor, TilePlan]:
     """Super-resolve a ``[-1, 1]`` float ``video_BCFHW`` (batch 1, ``1 + 4k`` frames).
 
     Returns the blended float video in ``[-1, 1]`` (before quantisation) and the tile plan.
     ``on_progress(done, total)`` is called after every DiT step; ``timings`` receives seconds per
     stage (``pre_upscale``, ``encode``, ``latent_upscale``, ``denoise``, ``decode`` incl. blend;
-    without a latent upscaler the per-tile encodes count as ``latent_upscale``).
+    without a latent upscaler the per-tile encodes count as ``latent_upscale``). ``tile_work`` (a
+    ``tile_parallel.TileWork``) spreads denoise/decode over ranks; ``None``: serial on this rank.
     """
     if video_BCFHW.shape[0] != 1:
         raise ValueError(f"upscale_video takes one video at a time, got a batch of {video_BCFHW.shape[0]}")
@@ -286,12 +296,18 @@ def upscale_video(
     )
     tiles_NCTHW = low_res_tiles(parts, video_BCFHW, plan, timings)
 
-    started = time.perf_counter()
-    chunks = denoise_tiles(parts, tiles_NCTHW, settings, on_progress)
-    timings["denoise"] = time.perf_counter() - started
+    if tile_work is not None and tile_work.is_parallel:
+        # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/k6sr/tile_parallel.py).
+        video_BCFHW = tile_work.run(
+            parts, tiles_NCTHW, settings, plan, num_frames, on_progress=on_progress, timings=timings
+        )
+    else:
+        started = time.perf_counter()
+        chunks = denoise_tiles(parts, tiles_NCTHW, settings, on_progress)
+        timings["denoise"] = time.perf_counter() - started
 
-    started = time.perf_counter()
-    video_BCFHW = decode_and_blend(parts, chunks, plan, num_frames)
-    timings["decode"] = time.perf_counter() - started
+        started = time.perf_counter()
+        video_BCFHW = decode_and_blend(parts, chunks, plan, num_frames)
+        timings["decode"] = time.perf_counter() - started
     logger.debug("upscaled %d frames in %d tiles: %s", num_frames, plan.num_tiles, timings)
     return video_BCFHW, plan

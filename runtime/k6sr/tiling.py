@@ -130,7 +130,7 @@ def plan_tiles(
     if height < tile_h or width < tile_w:
         label = scale_label if scale_label is not None else tiling_scale
         raise ValueError(
-            f"the video must be at least {tile_w}x{tile_h} pixels (width x height, after snapping to the "
+            f"the video is smaller than one tile: it must be at least {tile_w}x{tile_h} pixels (width x height, after snapping to the "
             f"VAE factor {snap}) for sr_resolution_scale={label:g}, got {width}x{height}"
         )
     return TilePlan(

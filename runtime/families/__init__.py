@@ -1,0 +1,15 @@
+"""The batchable text-to-image and text-to-video families, each a diffusers pipeline served by tilecast.
+
+=====================  ==============  ======  =====================================
+built-in name          family          task    diffusers pipeline
+=====================  ==============  ======  =====================================
+``tiny/flux``          flux            t2i     ``FluxPipeline`` (FLUX.1-dev)
+``tiny/qwen-image``    qwen-image      t2i     ``QwenImagePipeline``
+``tiny/z-image-turbo`` z-image-turbo   t2i     ``ZImagePipeline`` (Z-Image-Turbo)
+``tiny/wan2.1-t2v``    wan2.1-t2v      t2v     ``WanPipeline`` (Wan2.1 T2V 1.3B)
+=====================  ==============  ======  =====================================
+
+Shared request fields, the batch execution and the tiny-checkpoint machinery live in
+``families.common``; offline tokenizers in ``families.tokenizers``; ``families.bench_batching``
+measures singleton against dynamic-batched serving.
+"""

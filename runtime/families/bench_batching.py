@@ -1,0 +1,242 @@
+"""``tilecast bench batching``: singleton serving against dynamic batching on the same traffic.
+
+Two real ``tilecast serve`` subprocesses run one after the other on the same model and topology:
+first with ``--batching-max-size 1`` (every request alone), then with ``--batching-mode dynamic``.
+Against each, ``num_clients`` threads (closed loop: a client sends its next request when the last
+one returns) each send ``requests_per_client`` compatible requests with distinct prompts and seeds.
+Each server is warmed up first, not counted: ``WARMUP_SEQUENTIAL`` requests one at a time, then
+one concurrent wave of ``num_clients`` (the first calls of a process and of each batch shape are
+far slower than steady state, which would otherwise penalise whichever server goes first).
+
+Reported per server: throughput (completed requests per second of wall time), p50/p95 latency
+(nearest rank), failures and the server's own batching counters over the measured requests; plus the dynamic/singleton
+throughput ratio and latency ratios. Printed as a rich table; returned as a dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from tilecast.client import Client
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+"""How long a server may take to load its model."""
+REQUEST_TIMEOUT_S = 600.0
+"""How long one request may take before the bench gives up on it."""
+WARMUP_SEQUENTIAL = 3
+"""Requests sent one at a time before measuring (then one concurrent wave of ``num_clients``)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _percentile(values: Sequence[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[max(1, math.ceil(pct * len(ordered) / 100.0)) - 1]
+
+
+class _Server:
+    """One ``tilecast serve`` subprocess in a session of its own; ``stop`` leaves nothing behind."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", str(self.port)]
+        logger.info("starting %s", " ".join(command))
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def wait_ready(self) -> None:
+        try:
+            with Client(self.endpoint) as client:
+                client.wait_ready(READY_TIMEOUT_S)
+        except Exception as exc:
+            tail = self.log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"server did not come up ({exc}); log tail:\n{tail}") from exc
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("server %d ignored SIGTERM for %.0fs; killing its process group", self.proc.pid, timeout)
+        try:  # the ranks torchrun started live in the session this Popen created
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(timeout=10)
+
+
+def _counters(client: Client) -> tuple[int, int, float]:
+    """(dispatches, requests, merged dispatches) so far, from the server's batching stats."""
+    cumulative = client.stats()["batching"]["cumulative"]
+    return cumulative["dispatches"], cumulative["requests"], cumulative["merged_rate"] * cumulative["dispatches"]
+
+
+def _wave(client: Client, count: int, fields: dict, tag: str) -> None:
+    threads = [
+        threading.Thread(target=client.generate, kwargs=dict(
+            prompt=f"{tag} {i}", seed=i, timeout=REQUEST_TIMEOUT_S, **fields), daemon=True)
+        for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _drive(endpoint: str, *, num_clients: int, requests_per_client: int, fields: dict) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    with Client(endpoint, timeout=REQUEST_TIMEOUT_S) as client:
+        # Warm-up, not counted: the first calls of a fresh process (and of each new batch shape)
+        # are many times slower than steady state (allocator, kernel selection).
+        for i in range(WARMUP_SEQUENTIAL):
+            client.generate(prompt=f"warm-up {i}", seed=i, timeout=REQUEST_TIMEOUT_S, **fields)
+        _wave(client, num_clients, fields, "warm-up wave")
+        before = _counters(client)
+        start = threading.Barrier(num_clients + 1)
+
+        def user(index: int) -> None:
+            start.wait()
+            for k in range(requests_per_client):
+                began = time.perf_counter()
+                try:
+                    client.generate(
+                        prompt=f"bench client {index} request {k}", seed=index * 1000 + k,
+                        timeout=REQUEST_TIMEOUT_S, **fields,
+                    )
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    with lock:
+                        errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                with lock:
+                    latencies.append(time.perf_counter() - began)
+
+        threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(num_clients)]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        wall_s = time.perf_counter() - t0
+        after = _counters(client)
+    dispatches, requests, merged = (a - b for a, b in zip(after, before))
+    return {
+        "requests": len(latencies),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": wall_s,
+        "throughput_rps": len(latencies) / wall_s if wall_s > 0 else 0.0,
+        "p50_ms": _percentile(latencies, 50.0) * 1000.0,
+        "p95_ms": _percentile(latencies, 95.0) * 1000.0,
+        "avg_batch_size": requests / dispatches if dispatches else 0.0,
+        "merged_rate": round(merged) / dispatches if dispatches else 0.0,
+        "dispatches": dispatches,
+    }
+
+
+def run_batching_bench(
+    model_path: str,
+    *,
+    num_clients: int,
+    requests_per_client: int,
+    width: int,
+    height: int,
+    steps: int,
+    device: str,
+    num_gpus: int = 1,
+    extra_serve_args: Sequence[str] = (),
+    batching_max_size: int = 8,
+    batching_delay_ms: float = 20.0,
+    print_table: bool = True,
+) -> dict[str, Any]:
+    """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc."""
+    for name, value in (("num_clients", num_clients), ("requests_per_client", requests_per_client),
+                        ("steps", steps), ("num_gpus", num_gpus), ("batching_max_size", batching_max_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    fields = {"width": width, "height": height, "num_inference_steps": steps}
+    modes = {
+        "singleton": ["--batching-max-size", "1"],
+        "dynamic": [
+            "--batching-mode", "dynamic", "--batching-max-size", str(batching_max_size),
+            "--batching-delay-ms", str(batching_delay_ms),
+        ],
+    }
+    results: dict[str, Any] = {
+        "model": model_path, "num_clients": num_clients, "requests_per_client": requests_per_client,
+        "width": width, "height": height, "steps": steps, "device": device, "num_gpus": num_gpus,
+    }
+    with tempfile.TemporaryDirectory(prefix="tilecast-bench-") as tmp:
+        for mode, mode_args in modes.items():
+            args = [
+                "--model-path", model_path, "--num-gpus", str(num_gpus), "--device", device,
+                "--output-dir", str(Path(tmp, mode)), *mode_args, *extra_serve_args,
+            ]
+            server = _Server(args, Path(tmp, f"{mode}.log"))
+            try:
+                server.wait_ready()
+                results[mode] = _drive(
+                    server.endpoint, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields,
+                )
+            finally:
+                server.stop()
+    single, dynamic = results["singleton"], results["dynamic"]
+    results["throughput_ratio"] = (
+        dynamic["throughput_rps"] / single["throughput_rps"] if single["throughput_rps"] else float("nan")
+    )
+    results["p50_ratio"] = dynamic["p50_ms"] / single["p50_ms"] if single["p50_ms"] else float("nan")
+    results["p95_ratio"] = dynamic["p95_ms"] / single["p95_ms"] if single["p95_ms"] else float("nan")
+    if print_table:
+        print_bench_table(results)
+    return results
+
+
+def print_bench_table(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=(
+        f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
+        f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
+        f"{results['num_gpus']} x {results['device']}"
+    ))
+    for column in ("mode", "requests", "errors", "throughput (req/s)", "p50 (ms)", "p95 (ms)", "avg batch", "merged"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for mode in ("singleton", "dynamic"):
+        row = results[mode]
+        table.add_row(
+            mode, str(row["requests"]), str(row["errors"]), f"{row['throughput_rps']:.3f}", f"{row['p50_ms']:.1f}",
+            f"{row['p95_ms']:.1f}", f"{row['avg_batch_size']:.2f}", f"{row['merged_rate'] * 100:.0f}%",
+        )
+    table.add_row(
+        "ratio", "", "", f"{results['throughput_ratio']:.2f}x", f"{results['p50_ratio']:.2f}x",
+        f"{results['p95_ratio']:.2f}x", "", "",
+    )
+    Console(width=max(120, Console().width)).print(table)

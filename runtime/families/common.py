@@ -1,0 +1,352 @@
+"""What the batchable text-to-image / text-to-video families share.
+
+- ``T2IParams`` / ``T2VParams``: the request fields (msgspec, unknown fields refused).
+- ``TinyCheckpoint``: the deterministic, atomically written built-in checkpoints
+  (``<cache>/models/tiny-<family>-v1``; cache ``$TILECAST_CACHE`` or ``~/.cache/tilecast``).
+- ``DiffusersBatchPipeline``: a ``Pipeline`` over a diffusers pipeline object. A merged batch is one
+  native diffusers call with a list of prompts and one ``torch.Generator`` per request, seeded by
+  that request's own seed, so a request's starting noise is the same alone or in a batch. Only the
+  batch shape differs, which may change kernels: outputs match the singleton run within a small
+  tolerance, not bit-exactly (measured per family in ``tests/test_families.py``).
+- PNG / JPEG writing through PIL and MP4 writing through PyAV.
+
+Ranks: sequence parallelism is out of scope for these families. With ``world_size > 1`` every rank
+loads the whole model and computes the same batch (replicated); only the output rank writes files.
+
+Shape legend: ``B`` batch, ``F`` frames, ``C`` channels, ``H``/``W`` pixels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import msgspec
+import torch
+
+from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
+
+logger = logging.getLogger(__name__)
+
+MAX_SIDE = 4096
+"""Largest width or height a request may ask for."""
+MAX_STEPS = 1000
+"""Largest ``num_inference_steps``."""
+MAX_PROMPT_CHARS = 20_000
+"""Longest prompt accepted (the tokenizers truncate long before; this only bounds the wire)."""
+IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg"}
+"""``output_format`` values of the T2I families and their MIME types."""
+VIDEO_FORMATS = {"mp4": "video/mp4"}
+"""``output_format`` values of the T2V families."""
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+# ------------------------------------------------------------------------------------ params
+class T2IParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A text-to-image request. ``None`` numbers take the family's default in ``prepare``."""
+
+    prompt: str
+    """What to draw (per request inside a merged batch)."""
+    negative_prompt: str | None = None
+    """What to steer away from; only for families and settings that run classifier-free guidance."""
+    width: int = 64
+    """Output width in pixels (a multiple of the family's ``size_multiple``)."""
+    height: int = 64
+    """Output height in pixels (a multiple of the family's ``size_multiple``)."""
+    num_inference_steps: int | None = None
+    """Denoising steps (family default when unset)."""
+    guidance_scale: float | None = None
+    """Guidance strength (family default when unset; its meaning is the family's: distilled guidance
+    on FLUX.1-dev, true classifier-free guidance elsewhere)."""
+    seed: int = 42
+    """Seeds this request's starting noise, alone or in a batch."""
+    output_format: str = "png"
+    """``png`` or ``jpeg``."""
+    output_file_name: str | None = None
+    """Name of the written file (default ``<job id>.<format>``); letters, digits, ``._-`` only."""
+    return_tensor: bool = False
+    """Also return the raw float output (``[0, 1]``, ``3xHxW``) as tensor ``image``."""
+
+
+class T2VParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A text-to-video request. ``None`` numbers take the family's default in ``prepare``."""
+
+    prompt: str
+    """What to film (per request inside a merged batch)."""
+    negative_prompt: str | None = None
+    """What to steer away from (used when guidance is on)."""
+    width: int = 64
+    """Output width in pixels (a multiple of the family's ``size_multiple``)."""
+    height: int = 64
+    """Output height in pixels (a multiple of the family's ``size_multiple``)."""
+    num_frames: int = 5
+    """Frames to generate (``4k + 1`` for Wan)."""
+    num_inference_steps: int | None = None
+    """Denoising steps (family default when unset)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance strength (family default when unset; <= 1 turns guidance off)."""
+    seed: int = 42
+    """Seeds this request's starting noise, alone or in a batch."""
+    fps: int = 16
+    """Frame rate of the written video."""
+    output_format: str = "mp4"
+    """``mp4`` (H.264 through PyAV)."""
+    output_file_name: str | None = None
+    """Name of the written file (default ``<job id>.mp4``); letters, digits, ``._-`` only."""
+    return_tensor: bool = False
+    """Also return the raw float output (``[0, 1]``, ``FxCxHxW``) as tensor ``video``."""
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+# Weight init draws from the global torch RNG: one build per process at a time.
+_BUILD_LOCK = threading.Lock()
+
+
+def default_cache_dir() -> Path:
+    """``$TILECAST_CACHE`` if set, else ``~/.cache/tilecast``."""
+    env = os.environ.get("TILECAST_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tilecast"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyCheckpoint:
+    """A built-in checkpoint generated on first use: seeded weights, tiny configs, offline tokenizer."""
+
+    name: str
+    """Directory name under ``<cache>/models`` (bump its ``-vN`` suffix whenever configs or seed change)."""
+    seed: int
+    """Seed of the random weights."""
+    build: Callable[[], Any]
+    """Returns the diffusers pipeline object, in memory, float32 (called under the seed)."""
+
+    def write(self, target: Path) -> Path:
+        """Build and ``save_pretrained`` into ``target`` (which must not exist yet)."""
+        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            pipe = self.build()
+        pipe.save_pretrained(str(target), safe_serialization=True)
+        return target
+
+    def ensure(self, cache_dir: Path | None = None) -> Path:
+        """The checkpoint's directory, generated on first use.
+
+        Safe against concurrent callers (several ranks): each writes a private temporary directory
+        and renames it into place; the loser of the race discards its copy.
+        """
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        target = root / "models" / self.name
+        if (target / "model_index.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.name}-", dir=target.parent))
+        try:
+            self.write(staging / "ckpt")
+            try:
+                os.rename(staging / "ckpt", target)
+                logger.info("wrote the tiny checkpoint %s", target)
+            except OSError:
+                if not (target / "model_index.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+
+# ------------------------------------------------------------------------------------ outputs
+def image_bytes(image_CHW: torch.Tensor, fmt: str) -> bytes:
+    """Encode a float image in ``[0, 1]`` as PNG or JPEG."""
+    from PIL import Image
+
+    array = (image_CHW.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG" if fmt == "png" else "JPEG", quality=95)
+    return buffer.getvalue()
+
+
+def write_mp4(video_FCHW: torch.Tensor, path: Path, *, fps: int) -> None:
+    """Write float frames in ``[0, 1]`` as H.264 MP4 (yuv420p) through PyAV."""
+    import av
+
+    frames = (video_FCHW.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def output_path(ctx: RankContext, item: WorkItem, fmt: str) -> Path:
+    name = item.params.output_file_name or f"{item.job_id}.{fmt}"
+    return ctx.output_dir / name
+
+
+# ------------------------------------------------------------------------------------ pipeline
+class DiffusersBatchPipeline(Pipeline):
+    """A batchable T2I/T2V pipeline over a diffusers pipeline object (see the module docstring).
+
+    Subclasses set the ``Pipeline`` class attributes plus ``diffusers_class``, ``checkpoint``,
+    ``size_multiple`` and the defaults, and implement ``call_kwargs`` (the diffusers arguments a
+    batch shares) and, where guidance differs, ``guidance_on``.
+    """
+
+    diffusers_class: ClassVar[str]
+    """Name of the diffusers pipeline class (``FluxPipeline``, ...)."""
+    checkpoint: ClassVar[TinyCheckpoint]
+    """The built-in tiny checkpoint (``tiny/<family>``)."""
+    builtin_name: ClassVar[str]
+    """``tiny/<family>``."""
+    size_multiple: ClassVar[int] = 16
+    """Width and height must be multiples of this (VAE factor x patch size)."""
+    default_steps: ClassVar[int] = 2
+    default_guidance: ClassVar[float] = 0.0
+    max_sequence_length: ClassVar[int] = 128
+    """Text tokens per prompt passed to diffusers (the tiny encoders need few)."""
+    max_batch_size: ClassVar[int] = 16
+    output_kind: ClassVar[str] = "image"
+    """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
+
+    def __init__(self, pipe, ctx: RankContext) -> None:
+        self.pipe = pipe
+        self.device = ctx.device
+        self.dtype = pipe.transformer.dtype
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def resolve_path(cls, model_path: str) -> Path:
+        if model_path == cls.builtin_name:
+            return cls.checkpoint.ensure()
+        return Path(model_path)
+
+    @classmethod
+    def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
+        import diffusers
+
+        path = cls.resolve_path(model_path)
+        dtype = getattr(torch, ctx.options.get("dtype") or "float32")
+        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        pipe.to(ctx.device)
+        pipe.set_progress_bar_config(disable=True)
+        logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, ctx.device)
+        return cls(pipe, ctx)
+
+    # ---------------------------------------------------------------- requests
+    def guidance_on(self, params) -> bool:
+        """Whether classifier-free guidance runs (a negative prompt is only meaningful then)."""
+        return params.guidance_scale > 1.0
+
+    def no_guidance_reason(self, params) -> str:
+        """Why ``params`` runs no classifier-free guidance (for the negative_prompt error)."""
+        return f"guidance_scale {params.guidance_scale} turns classifier-free guidance off"
+
+    def validate(self, params) -> None:
+        """Family-specific checks beyond ``prepare``'s (raise ``ValueError`` naming the field)."""
+
+    def prepare(self, params, uploads: dict[str, bytes]):
+        if not params.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        if len(params.prompt) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt is {len(params.prompt)} characters; at most {MAX_PROMPT_CHARS}")
+        for field in ("width", "height"):
+            value = getattr(params, field)
+            if value < self.size_multiple or value > MAX_SIDE or value % self.size_multiple:
+                raise ValueError(
+                    f"{field} must be a multiple of {self.size_multiple} in {self.size_multiple}..{MAX_SIDE}"
+                    f" for {self.family}, got {value}"
+                )
+        steps = params.num_inference_steps if params.num_inference_steps is not None else self.default_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise ValueError(f"num_inference_steps must be in 1..{MAX_STEPS}, got {steps}")
+        guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+        if not 0.0 <= guidance <= 100.0:
+            raise ValueError(f"guidance_scale must be in 0..100, got {guidance}")
+        formats = IMAGE_FORMATS if self.output_kind == "image" else VIDEO_FORMATS
+        if params.output_format not in formats:
+            raise ValueError(f"output_format must be one of {', '.join(formats)}, got {params.output_format!r}")
+        if params.output_file_name is not None and (
+            not _SAFE_NAME.match(params.output_file_name) or params.output_file_name.startswith(".")
+        ):
+            raise ValueError(
+                f"output_file_name must be 1-128 letters, digits, '.', '_' or '-' (no path), got {params.output_file_name!r}"
+            )
+        params = msgspec.structs.replace(params, num_inference_steps=steps, guidance_scale=float(guidance))
+        if params.negative_prompt is not None and not self.guidance_on(params):
+            raise ValueError(f"negative_prompt is ignored by {self.family}: {self.no_guidance_reason(params)}")
+        self.validate(params)
+        return params
+
+    # batch_key: the base class's default (every field except prompt, negative_prompt, seed,
+    # output_file_name). Guidance on/off is a function of guidance_scale, which is in the key, so
+    # whether a negative prompt is present never changes a batch's computation.
+
+    # ---------------------------------------------------------------- execution
+    def call_kwargs(self, params) -> dict[str, Any]:
+        """Diffusers ``__call__`` arguments shared by the batch (everything but prompts and generators)."""
+        raise NotImplementedError
+
+    def negative_prompts(self, items: list[WorkItem]) -> dict[str, Any]:
+        """The ``negative_prompt`` argument: one per request when guidance runs, else none."""
+        first = items[0].params
+        if not self.guidance_on(first):
+            return {}
+        return {"negative_prompt": [item.params.negative_prompt or "" for item in items]}
+
+    def generate(self, items: list[WorkItem], ctx: RankContext) -> torch.Tensor:
+        """One native diffusers call for the batch; returns float ``[0, 1]`` outputs, one row per item."""
+        first = items[0].params
+        key = self.batch_key(first)
+        for item in items[1:]:
+            assert self.batch_key(item.params) == key, "scheduler merged incompatible requests"
+        steps = first.num_inference_steps
+
+        def on_step(_pipe, step, _timestep, callback_kwargs):
+            ctx.progress(step + 1, steps)
+            return callback_kwargs
+
+        generators = [torch.Generator(device="cpu").manual_seed(item.params.seed) for item in items]
+        with torch.inference_mode():
+            result = self.pipe(
+                prompt=[item.params.prompt for item in items],
+                **self.negative_prompts(items),
+                generator=generators,
+                callback_on_step_end=on_step,
+                return_dict=False,
+                **self.call_kwargs(first),
+            )[0]
+        return result.float().cpu()
+
+    def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
+        """Every rank computes the whole batch (replicated; no sequence parallelism for these
+        families); only the output rank writes files. Tensors are returned on every rank."""
+        outputs_BX = self.generate(items, ctx)
+        if outputs_BX.shape[0] != len(items):
+            raise RuntimeError(f"{self.diffusers_class} returned {outputs_BX.shape[0]} outputs for {len(items)} requests")
+        results = []
+        for item, sample in zip(items, outputs_BX):
+            params = item.params
+            out = Output(info={"family": self.family, "batch_size": len(items), "shape": list(sample.shape)})
+            if params.return_tensor:
+                out.tensors[self.output_kind] = sample.contiguous()
+            if ctx.is_output_rank:
+                path = output_path(ctx, item, params.output_format)
+                if self.output_kind == "image":
+                    path.write_bytes(image_bytes(sample, params.output_format))
+                    mime = IMAGE_FORMATS[params.output_format]
+                else:
+                    write_mp4(sample, path, fps=params.fps)
+                    mime = VIDEO_FORMATS[params.output_format]
+                out.files.append(OutputFile(name=path.name, path=path, mime=mime))
+            results.append(out)
+        return results

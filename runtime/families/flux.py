@@ -1,0 +1,92 @@
+"""FLUX.1-dev text-to-image (``FluxPipeline``) and its built-in tiny checkpoint ``tiny/flux``.
+
+The tiny checkpoint keeps the real model's structure: a 16-channel, 8x ``AutoencoderKL`` without
+quant convs, a guidance-distilled ``FluxTransformer2DModel`` on 2x2-packed latents (64 input
+channels), a CLIP text encoder for the pooled embedding and a T5 encoder for the sequence, and
+the dynamic-shift flow-matching Euler scheduler. FLUX.1-dev is guidance-distilled: ``guidance_scale``
+is fed to the transformer as an embedding, no classifier-free guidance runs, so a request takes
+no ``negative_prompt``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tilecast.runtime.families import tokenizers
+from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+
+logger = logging.getLogger(__name__)
+
+TEXT_DIM = 32
+"""Hidden size of both tiny text encoders (the transformer's joint and pooled dims)."""
+
+
+def build_tiny_flux():
+    """The tiny ``FluxPipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip_tok = tokenizers.clip_tokenizer()
+    t5_tok = tokenizers.t5_tokenizer()
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=tokenizers.CLIP_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
+        bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
+    ))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=tokenizers.T5_VOCAB_SIZE, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+    ))
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae.eval(), text_encoder=clip.eval(), tokenizer=clip_tok,
+        text_encoder_2=t5.eval(), tokenizer_2=t5_tok, transformer=transformer.eval(),
+    )
+
+
+TINY_FLUX = TinyCheckpoint(name="tiny-flux-v1", seed=20250701, build=build_tiny_flux)
+
+
+def ensure_tiny_flux(cache_dir=None):
+    """Directory of ``tiny/flux`` (generated on first use under ``<cache>/models/tiny-flux-v1``)."""
+    return TINY_FLUX.ensure(cache_dir)
+
+
+class FluxT2IPipeline(DiffusersBatchPipeline):
+    """FLUX.1-dev T2I; a merged batch is one ``FluxPipeline`` call (see ``families.common``)."""
+
+    family = "flux"
+    task = "t2i"
+    params_type = T2IParams
+    diffusers_class = "FluxPipeline"
+    checkpoint = TINY_FLUX
+    builtin_name = "tiny/flux"
+    size_multiple = 16
+    default_guidance = 3.5
+    max_sequence_length = 128
+
+    def guidance_on(self, params) -> bool:
+        return False  # guidance-distilled: guidance_scale is an embedding, not CFG
+
+    def no_guidance_reason(self, params) -> str:
+        return "FLUX.1-dev is guidance-distilled and runs no classifier-free guidance"
+
+    def call_kwargs(self, params) -> dict:
+        return dict(
+            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale, max_sequence_length=self.max_sequence_length, output_type="pt",
+        )

@@ -1,0 +1,103 @@
+"""Qwen-Image text-to-image (``QwenImagePipeline``) and its built-in tiny checkpoint ``tiny/qwen-image``.
+
+The tiny checkpoint keeps the real structure: the Wan-style 8x ``AutoencoderKLQwenImage`` with 16
+latent channels, an MMDiT ``QwenImageTransformer2DModel`` on 2x2-packed latents, and a
+``Qwen2_5_VLForConditionalGeneration`` text encoder (tiny text and vision towers; only the text
+path runs) with a byte-level ``Qwen2Tokenizer`` built offline. The pipeline drops the first 34
+template tokens as the real one does; with a byte tokenizer that cut falls inside the system
+prompt, which changes nothing structural.
+
+``guidance_scale`` is Qwen-Image's true classifier-free guidance (diffusers' ``true_cfg_scale``):
+above 1 every request runs a conditional and an unconditional pass, the latter on its own
+``negative_prompt`` (default ``" "``, as diffusers recommends).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tilecast.runtime.families import tokenizers
+from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+
+logger = logging.getLogger(__name__)
+
+TEXT_DIM = 32
+"""Hidden size of the tiny text encoder (the transformer's ``joint_attention_dim``)."""
+
+
+def build_tiny_qwen_image():
+    """The tiny ``QwenImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tokenizers.qwen_tokenizer()
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=tokenizers.QWEN_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_DIM,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[0],
+        ),
+        # Ids outside the tiny vocabulary: no prompt can contain an image or video placeholder.
+        image_token_id=tokenizers.QWEN_VOCAB_SIZE + 1, video_token_id=tokenizers.QWEN_VOCAB_SIZE + 2,
+        vision_start_token_id=tokenizers.QWEN_VOCAB_SIZE + 3, vision_end_token_id=tokenizers.QWEN_VOCAB_SIZE + 4,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        transformer=transformer.eval(),
+    )
+
+
+TINY_QWEN_IMAGE = TinyCheckpoint(name="tiny-qwen-image-v1", seed=20250702, build=build_tiny_qwen_image)
+
+
+def ensure_tiny_qwen_image(cache_dir=None):
+    """Directory of ``tiny/qwen-image`` (generated on first use under ``<cache>/models/tiny-qwen-image-v1``)."""
+    return TINY_QWEN_IMAGE.ensure(cache_dir)
+
+
+class QwenImageT2IPipeline(DiffusersBatchPipeline):
+    """Qwen-Image T2I; a merged batch is one ``QwenImagePipeline`` call (see ``families.common``)."""
+
+    family = "qwen-image"
+    task = "t2i"
+    params_type = T2IParams
+    diffusers_class = "QwenImagePipeline"
+    checkpoint = TINY_QWEN_IMAGE
+    builtin_name = "tiny/qwen-image"
+    size_multiple = 16
+    default_guidance = 4.0
+    max_sequence_length = 256
+
+    def negative_prompts(self, items):
+        if not self.guidance_on(items[0].params):
+            return {}
+        return {"negative_prompt": [item.params.negative_prompt or " " for item in items]}
+
+    def call_kwargs(self, params) -> dict:
+        return dict(
+            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+            true_cfg_scale=params.guidance_scale, guidance_scale=None,
+            max_sequence_length=self.max_sequence_length, output_type="pt",
+        )

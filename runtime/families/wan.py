@@ -1,0 +1,89 @@
+"""Wan2.1 T2V 1.3B text-to-video (``WanPipeline``) and its built-in tiny checkpoint ``tiny/wan2.1-t2v``.
+
+The tiny checkpoint keeps the real structure: the causal 3D ``AutoencoderKLWan`` (8x spatial, 4x
+temporal, 16 latent channels), a ``WanTransformer3DModel`` with 1x2x2 patches, cross-attention on a
+``UMT5EncoderModel`` with a ``T5TokenizerFast`` built offline, and the flow-matching UniPC
+scheduler with ``flow_shift=3`` that the released 1.3B checkpoint ships.
+
+``num_frames`` must be ``4k + 1`` (the VAE's temporal factor; diffusers would silently round
+otherwise). ``guidance_scale`` above 1 runs classifier-free guidance with each request's
+``negative_prompt`` (default ``""``, as diffusers does).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tilecast.runtime.families import tokenizers
+from tilecast.runtime.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
+
+logger = logging.getLogger(__name__)
+
+TEXT_DIM = 32
+"""``d_model`` of the tiny UMT5 encoder (the transformer's ``text_dim``)."""
+MAX_FRAMES = 257
+"""Longest video a request may ask for."""
+
+
+def build_tiny_wan():
+    """The tiny ``WanPipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tokenizers.t5_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=tokenizers.T5_VOCAB_SIZE, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+    ))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=1024,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+        transformer=transformer.eval(),
+    )
+
+
+TINY_WAN = TinyCheckpoint(name="tiny-wan2.1-t2v-v1", seed=20250704, build=build_tiny_wan)
+
+
+def ensure_tiny_wan(cache_dir=None):
+    """Directory of ``tiny/wan2.1-t2v`` (generated on first use under ``<cache>/models/tiny-wan2.1-t2v-v1``)."""
+    return TINY_WAN.ensure(cache_dir)
+
+
+class WanT2VPipeline(DiffusersBatchPipeline):
+    """Wan2.1 T2V; a merged batch is one ``WanPipeline`` call (see ``families.common``)."""
+
+    family = "wan2.1-t2v"
+    task = "t2v"
+    params_type = T2VParams
+    diffusers_class = "WanPipeline"
+    checkpoint = TINY_WAN
+    builtin_name = "tiny/wan2.1-t2v"
+    size_multiple = 16
+    default_guidance = 5.0
+    max_sequence_length = 64
+    output_kind = "video"
+    per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
+    """``fps`` only stamps the written file, so requests with different rates still merge."""
+
+    def validate(self, params) -> None:
+        if not 1 <= params.num_frames <= MAX_FRAMES or (params.num_frames - 1) % 4:
+            raise ValueError(f"num_frames must be 4k+1 in 1..{MAX_FRAMES} for {self.family}, got {params.num_frames}")
+        if not 1 <= params.fps <= 120:
+            raise ValueError(f"fps must be in 1..120, got {params.fps}")
+
+    def call_kwargs(self, params) -> dict:
+        return dict(
+            width=params.width, height=params.height, num_frames=params.num_frames,
+            num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
+            max_sequence_length=self.max_sequence_length, output_type="pt",
+        )

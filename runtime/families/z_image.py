@@ -1,0 +1,82 @@
+"""Z-Image-Turbo text-to-image (``ZImagePipeline``) and its built-in tiny checkpoint ``tiny/z-image-turbo``.
+
+The tiny checkpoint keeps the real structure: a 16-channel, 8x ``AutoencoderKL``, a single-stream
+``ZImageTransformer2DModel`` (2x2 patches, noise and context refiner layers) and a ``Qwen3Model``
+text encoder whose second-to-last hidden state conditions the transformer, with a byte-level
+``Qwen2Tokenizer`` built offline and a Qwen chat template (the pipeline formats every prompt
+through ``apply_chat_template``).
+
+Z-Image-Turbo is distilled to run without guidance: the default ``guidance_scale`` is 0; above 0
+diffusers runs classifier-free guidance with each request's ``negative_prompt`` (default ``""``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tilecast.runtime.families import tokenizers
+from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+
+logger = logging.getLogger(__name__)
+
+TEXT_DIM = 32
+"""Hidden size of the tiny text encoder (the transformer's ``cap_feat_dim``)."""
+
+
+def build_tiny_z_image():
+    """The tiny ``ZImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = tokenizers.qwen_tokenizer()
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=tokenizers.QWEN_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    ))
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=1, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, cap_feat_dim=TEXT_DIM, axes_dims=[4, 6, 6], axes_lens=[512, 128, 128],
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(
+        scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        transformer=transformer.eval(),
+    )
+
+
+TINY_Z_IMAGE = TinyCheckpoint(name="tiny-z-image-turbo-v1", seed=20250703, build=build_tiny_z_image)
+
+
+def ensure_tiny_z_image(cache_dir=None):
+    """Directory of ``tiny/z-image-turbo`` (generated on first use under ``<cache>/models/tiny-z-image-turbo-v1``)."""
+    return TINY_Z_IMAGE.ensure(cache_dir)
+
+
+class ZImageT2IPipeline(DiffusersBatchPipeline):
+    """Z-Image-Turbo T2I; a merged batch is one ``ZImagePipeline`` call (see ``families.common``)."""
+
+    family = "z-image-turbo"
+    task = "t2i"
+    params_type = T2IParams
+    diffusers_class = "ZImagePipeline"
+    checkpoint = TINY_Z_IMAGE
+    builtin_name = "tiny/z-image-turbo"
+    size_multiple = 16
+    default_guidance = 0.0
+    max_sequence_length = 128
+
+    def guidance_on(self, params) -> bool:
+        return params.guidance_scale > 0.0
+
+    def call_kwargs(self, params) -> dict:
+        return dict(
+            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale, max_sequence_length=self.max_sequence_length, output_type="pt",
+        )

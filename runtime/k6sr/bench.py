@@ -1,0 +1,231 @@
+"""``tilecast bench k6sr``: tilecast against diffusers' own ``Kandinsky6SRPipeline`` in one run.
+
+Both sides share the very same released-size networks (default diffusers configs, seeded
+random weights, bf16 with diffusers' fp32 modules kept fp32), the same input frames and the same
+noise (one tile chunk seeded like diffusers' generator). diffusers' attention is swapped for
+plain dense ``F.scaled_dot_product_attention`` (PyTorch picks its kernel), so both compute the
+same dense attention; tilecast uses its own attention entry point and fast paths.
+
+Stage times come from synchronized wrappers around the shared modules (VAE encode/decode,
+latent upscaler, DiT), identical for both sides; "other" is the rest of the end-to-end time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+WORKLOADS = {
+    # name: (width, height, frames), all upscaled x2
+    "small": (384, 256, 33),
+    "large": (768, 512, 121),
+}
+STAGES = ("encode", "latent_upscale", "dit", "decode")
+
+
+def pattern_video(width: int, height: int, num_frames: int) -> np.ndarray:
+    """Deterministic moving pattern, ``(F, H, W, 3)`` uint8."""
+    from tilecast.runtime.synthetic import pattern_frames
+
+    return pattern_frames(width, height, num_frames)
+
+
+def build_released(device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Released-size K6 SR networks with seeded random weights (diffusers' default configs)."""
+    from diffusers import (
+        Kandinsky6SRLatentUpscalerBank,
+        Kandinsky6SRTransformer3DModel,
+        Kandinsky6SRVAE,
+        PiflowScheduler,
+    )
+
+    from tilecast.runtime.k6sr.loading import K6SRComponents
+
+    def make(cls):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = cls().eval()
+        model.to(dtype)
+        for name, module in model.named_modules():
+            if any(keep in name for keep in getattr(cls, "_keep_in_fp32_modules", None) or ()):
+                module.float()
+        return model.requires_grad_(False)
+
+    return K6SRComponents(
+        transformer=make(Kandinsky6SRTransformer3DModel),
+        vae=make(Kandinsky6SRVAE),
+        latent_upscaler=make(Kandinsky6SRLatentUpscalerBank),
+        scheduler=PiflowScheduler(),
+        device=device,
+        dtype=dtype,
+    )
+
+
+class DenseSDPAProcessor:
+    """diffusers' Kandinsky 6 SR attention with NABLA replaced by plain dense SDPA (the peer)."""
+
+    def __call__(self, attn, hidden_states, rotary_emb, sparse_params):
+        from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary
+
+        query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        query = attn.query_norm(query.float()).type_as(query)
+        key = attn.key_norm(key.float()).type_as(key)
+        query = apply_rotary(query, rotary_emb)
+        key = apply_rotary(key, rotary_emb)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def set_processors(transformer, make: Callable[[], Any]) -> None:
+    for block in transformer.visual_transformer_blocks:
+        block.self_attention.set_processor(make())
+
+
+class StageTimer:
+    """Synchronized wall time per stage, accumulated by wrapping the shared modules' entry points."""
+
+    def __init__(self, parts) -> None:
+        self.times = {stage: 0.0 for stage in STAGES}
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._wrap(parts.vae, "encode", "encode")
+        self._wrap(parts.vae, "decode", "decode")
+        self._wrap(parts.latent_upscaler, "forward", "latent_upscale")
+        self._wrap(parts.transformer, "forward", "dit")
+
+    def _wrap(self, module, method: str, stage: str) -> None:
+        original = getattr(module, method)
+
+        def timed(*args, **kwargs):
+            _sync()
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            _sync()
+            self.times[stage] += time.perf_counter() - started
+            return result
+
+        setattr(module, method, timed)
+        self._restore.append((module, method, original))
+
+    def reset(self) -> None:
+        self.times = {stage: 0.0 for stage in STAGES}
+
+    def close(self) -> None:
+        for module, method, _ in self._restore:
+            delattr(module, method)
+
+
+@dataclasses.dataclass
+class Measurement:
+    side: str
+    workload: str
+    e2e_s: float
+    stages_s: dict[str, float]
+    peak_reserved_gib: float
+    peak_allocated_gib: float
+    output: torch.Tensor
+
+
+def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: StageTimer, repeats: int) -> Measurement:
+    run()  # warm-up
+    times, stage_runs = [], []
+    torch.cuda.reset_peak_memory_stats()
+    output = None
+    for _ in range(repeats):
+        timer.reset()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        output = run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        stage_runs.append(dict(timer.times))
+    best = times.index(statistics.median_low(times))
+    stages = dict(stage_runs[best])
+    stages["other"] = times[best] - sum(stages.values())
+    return Measurement(
+        side=side, workload=workload, e2e_s=times[best], stages_s=stages,
+        peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+        output=output.float().cpu(),
+    )
+
+
+def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
+    from diffusers import Kandinsky6SRPipeline
+    from PIL import Image
+
+    pipe = Kandinsky6SRPipeline(
+        transformer=parts.transformer, vae=parts.vae, scheduler=parts.scheduler, latent_upscaler=parts.latent_upscaler,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.fromarray(frame) for frame in frames_FHWC]
+    out = pipe(video=images, resolution_scale=2, num_inference_steps=2, generator=torch.Generator().manual_seed(seed),
+               output_type="pt").frames
+    return out[0]  # (F, C, H, W) in [0, 1]
+
+
+def run_tilecast(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
+    from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, upscale_video
+
+    video = frames_to_video(torch.from_numpy(frames_FHWC), parts.device)
+    settings = SRSettings(scale=2, num_inference_steps=2, seed=seed, tiles_batch_size=1)
+    out_BCFHW, _ = upscale_video(parts, video, settings)
+    return ((out_BCFHW[0].permute(1, 0, 2, 3).float() + 1) / 2).clamp(0, 1)  # (F, C, H, W) in [0, 1]
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats: int = 1, seed: int = 42,
+               compile_blocks: bool = False) -> list[dict]:
+    """Run each workload on both sides; returns one row per (workload, side)."""
+    from tilecast.runtime.k6sr.attention import install_dense_attention
+
+    if not torch.cuda.is_available():
+        raise ValueError("tilecast bench k6sr needs a CUDA GPU (the released-size model is ~1.5B parameters)")
+    device = torch.device("cuda")
+    parts = build_released(device, torch.bfloat16, seed=0)
+    timer = StageTimer(parts)
+    rows = []
+    try:
+        for workload in workloads:
+            width, height, num_frames = WORKLOADS[workload]
+            frames = pattern_video(width, height, num_frames)
+            results = {}
+            if peer == "diffusers":
+                set_processors(parts.transformer, DenseSDPAProcessor)
+                results["diffusers"] = _measure("diffusers", workload, lambda: run_diffusers(parts, frames, seed), timer, repeats)
+            install_dense_attention(parts.transformer)
+            if compile_blocks:
+                parts.transformer.compile_repeated_blocks()
+            results["tilecast"] = _measure("tilecast", workload, lambda: run_tilecast(parts, frames, seed), timer, repeats)
+            for side, m in results.items():
+                row = {"workload": workload, "side": side, "e2e_s": m.e2e_s, **{f"{k}_s": v for k, v in m.stages_s.items()},
+                       "peak_reserved_gib": m.peak_reserved_gib, "peak_allocated_gib": m.peak_allocated_gib}
+                if side == "tilecast" and "diffusers" in results:
+                    ref = results["diffusers"]
+                    row["ratio_vs_diffusers"] = m.e2e_s / ref.e2e_s
+                    row["psnr_vs_diffusers_db"] = psnr(m.output, ref.output) if m.output.shape == ref.output.shape else None
+                rows.append(row)
+            del results
+            torch.cuda.empty_cache()
+    finally:
+        timer.close()
+    return rows

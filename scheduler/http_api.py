@@ -1,0 +1,635 @@
+"""The OpenAI-style HTTP front end: a Starlette app that is one more client of rank 0's scheduler.
+
+It keeps no queue and makes no scheduling decision: every route turns into ``AsyncClient`` calls
+on the scheduler's own ZeroMQ endpoint, so HTTP and ZeroMQ clients share one queue, one batcher
+and one set of job ids. What it does own: parsing and limits (body size, content types), the
+mapping of errors to status codes, the list of jobs created over HTTP, and the metrics it can
+measure itself.
+
+Routes::
+
+    POST   /v1/videos                multipart (video_reference=@in.mp4 + fields) or JSON (video_path...)
+    GET    /v1/videos                jobs created here, newest first (?limit=20&after=ID)
+    GET    /v1/videos/{id}           status, progress (percent), error
+    GET    /v1/videos/{id}/content   the MP4 once completed (404 unknown id, 409 not completed)
+    DELETE /v1/videos/{id}           cancel a queued or running job (409 when already finished)
+    POST   /v1/images/generations    JSON: prompt, n, size "WxH", seed, response_format b64_json, extras
+    GET    /v1/models                the served model
+    GET    /health                   200 {"status": "ok"} when serving; 503 when dead/stopping/silent
+    GET    /metrics                  Prometheus text exposition
+
+Form fields arrive as strings and are converted by the pipeline's ``params_type`` (msgspec,
+``strict=False``); JSON fields must already have the right types (``strict=True``, as the
+scheduler checks them). A bad value is a 400 whose ``error.param`` names the field. Errors use
+OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Metrics and their sources: ``http_metrics``. Running it under uvicorn on rank 0: ``http_server``.
+
+Uploads: the ``video_reference`` part must be ``video/*``; ``application/octet-stream`` (what
+curl sends for ``-F f=@x.mp4`` without ``;type=``) and a part without a type are accepted too,
+since the pipeline probes the bytes and refuses a non-video with a 400. Any other type is a 415.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Match, Route
+
+from tilecast.scheduler import protocol as P
+from tilecast.scheduler.client import AsyncClient, ServerDeadError, ServerError
+from tilecast.scheduler.http_metrics import Exposition, FrontEndMetrics, front_end_metrics, scheduler_metrics
+
+logger = logging.getLogger(__name__)
+
+VIDEO_PART = "video_reference"
+"""Multipart field that carries the uploaded video (sent to the scheduler as the ``video`` upload)."""
+_ACCEPTED_UPLOAD_TYPES = ("application/octet-stream",)
+"""Non-``video/*`` part types accepted for ``video_reference`` (the pipeline still probes the bytes)."""
+_STATUS_NAMES = {"running": "in_progress"}
+"""Scheduler state -> OpenAI video status (queued, in_progress, completed, failed, cancelled)."""
+_SERVER_CODES = {"bad_request": 400, "not_found": 404, "overloaded": 503, "server_dead": 503, "stopping": 503}
+_MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_ZMQ_OVERHEAD_BYTES = 64 * 1024
+"""Headroom for the submit message's body next to an uploaded payload (ZMQ_MAXMSGSIZE check)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """What the front end knows about the served pipeline (rank 0 has it loaded)."""
+
+    name: str
+    family: str = ""
+    task: str = ""
+    """``sr``, ``t2i``, ``t2v`` (empty: unknown, nothing is checked)."""
+    params_type: type[msgspec.Struct] | None = None
+    """Request fields; form strings are converted by it (None: fields go to the scheduler as sent)."""
+    upload_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pipeline(cls, pipeline) -> "ModelInfo":
+        return cls(
+            name=pipeline.model_name, family=getattr(pipeline, "family", ""), task=getattr(pipeline, "task", ""),
+            params_type=getattr(pipeline, "params_type", None), upload_fields=tuple(pipeline.upload_fields),
+        )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ApiConfig:
+    endpoint: str
+    """The scheduler's ZeroMQ endpoint (``tcp://127.0.0.1:30010``)."""
+    max_upload_bytes: int
+    """Largest request body; a larger one gets 413 before it is read (Content-Length, then counted)."""
+    max_message_bytes: int | None = None
+    """The scheduler's ZMQ_MAXMSGSIZE; an upload that would not fit is refused with 413."""
+    model: ModelInfo | None = None
+    health_timeout_s: float = 2.0
+    """``/health`` and ``/metrics`` give up on the scheduler after this long (503 / ``tilecast_up 0``)."""
+    max_listed_jobs: int = 10_000
+    """How many HTTP-created video job ids ``GET /v1/videos`` remembers."""
+    max_images: int = 10
+    """Largest ``n`` of an image request."""
+
+    def __post_init__(self) -> None:
+        if self.max_upload_bytes < 1:
+            raise ValueError(f"max_upload_bytes must be >= 1, got {self.max_upload_bytes}")
+        if self.health_timeout_s <= 0:
+            raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _from_client_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ServerError):
+        status = _SERVER_CODES.get(exc.code, 500)
+        headers = {"Retry-After": "1"} if exc.code == "overloaded" else None
+        return ApiError(status, exc.message, code=exc.code, headers=headers)
+    if isinstance(exc, ServerDeadError):
+        return ApiError(503, f"the scheduler is not answering: {exc}", code="server_dead")
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, f"the scheduler did not answer in time: {exc}", code="timeout")
+    raise TypeError(exc)
+
+
+def field_error(exc: msgspec.ValidationError) -> ApiError:
+    """A msgspec validation error as a 400 naming the field (``Expected `int`, got `str` - at `$.seed```)."""
+    match = _MSGSPEC_ERROR.match(str(exc))
+    message, path = match.group("msg"), match.group("path") or ""
+    unknown = re.search(r"unknown field `([^`]*)`", message)
+    field = unknown.group(1) if unknown else (re.split(r"[.\[]", path.lstrip("."))[0] or None)
+    text = f"unknown field {field!r}" if unknown else f"invalid value for {field!r}: {message}" if field else message
+    return ApiError(400, text, param=field, code="invalid_value")
+
+
+def convert_fields(fields: dict[str, Any], params_type: type[msgspec.Struct] | None, *, from_strings: bool) -> dict:
+    """Check ``fields`` against the pipeline's params (strings converted when ``from_strings``);
+    return only the fields given, with their converted values."""
+    if params_type is None:
+        return fields
+    try:
+        params = msgspec.convert(fields, params_type, strict=not from_strings)
+    except msgspec.ValidationError as exc:
+        raise field_error(exc) from None
+    return {name: getattr(params, name) for name in fields}
+
+
+# ---------------------------------------------------------------------------------------------
+# Job objects
+# ---------------------------------------------------------------------------------------------
+def video_object(info: P.JobInfo, model: str | None) -> dict[str, Any]:
+    """OpenAI's video object for a scheduler job; ``progress`` is a percentage (0..100)."""
+    error = None
+    if info.state in ("failed", "cancelled"):
+        error = {"code": info.state, "message": info.error or info.state}
+    return {
+        "id": info.job_id,
+        "object": "video",
+        "model": model,
+        "status": _STATUS_NAMES.get(info.state, info.state),
+        "progress": int(math.floor(max(0.0, min(1.0, info.progress)) * 100 + 1e-9)),
+        "created_at": int(info.created_at),
+        "started_at": int(info.started_at) if info.started_at is not None else None,
+        "completed_at": int(info.finished_at) if info.finished_at is not None else None,
+        "queue_position": info.queue_position,
+        "error": error,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+def _content_kind(request: Request) -> str:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media == "multipart/form-data":
+        return "multipart"
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return "json"
+    raise ApiError(415, f"unsupported Content-Type {media or '(none)'!r}: send multipart/form-data or application/json",
+                   code="unsupported_media_type")
+
+
+def _parse_size(value: Any) -> tuple[int, int] | None:
+    if value is None or value == "auto":
+        return None
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise ApiError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {value!r}", param="size",
+                       code="invalid_value")
+    return int(match.group(1)), int(match.group(2))
+
+
+class HttpApi:
+    """Routes and state of the front end; ``app`` is the ASGI application."""
+
+    def __init__(self, config: ApiConfig) -> None:
+        self.config = config
+        self.model = config.model
+        self.metrics = FrontEndMetrics()
+        self.client: AsyncClient | None = None
+        self.started_at = int(time.time())
+        self._video_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._watchers: set[asyncio.Task] = set()
+        routes = [
+            Route("/v1/videos", self.create_video, methods=["POST"]),
+            Route("/v1/videos", self.list_videos, methods=["GET"]),
+            Route("/v1/videos/{video_id}", self.get_video, methods=["GET"]),
+            Route("/v1/videos/{video_id}", self.cancel_video, methods=["DELETE"]),
+            Route("/v1/videos/{video_id}/content", self.video_content, methods=["GET"]),
+            Route("/v1/images/generations", self.create_images, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        self._app = Starlette(
+            routes=routes, lifespan=self._lifespan,
+            exception_handlers={
+                ApiError: self._on_api_error, HTTPException: self._on_http_exception,
+                ServerError: self._on_client_error, ServerDeadError: self._on_client_error,
+                TimeoutError: self._on_client_error, Exception: self._on_unexpected,
+            },
+        )
+        self.routes = routes
+
+    # ------------------------------------------------------------------ ASGI plumbing
+    async def __call__(self, scope, receive, send) -> None:
+        """Count every HTTP request by route template and status."""
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        started, status = time.perf_counter(), [500]
+
+        async def send_counting(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, send_counting)
+        finally:
+            self.metrics.http(scope["method"], self._route_of(scope), status[0], time.perf_counter() - started)
+
+    def _route_of(self, scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:
+                return route.path
+        return "other"
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app):
+        self.client = AsyncClient(self.config.endpoint, timeout=30.0)
+        try:
+            yield
+        finally:
+            for task in list(self._watchers):
+                task.cancel()
+            await self.client.close()
+
+    async def _on_api_error(self, _request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    async def _on_http_exception(self, _request: Request, exc: HTTPException) -> Response:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    async def _on_client_error(self, _request: Request, exc: Exception) -> Response:
+        return _from_client_error(exc).response()
+
+    async def _on_unexpected(self, _request: Request, exc: Exception) -> Response:
+        logger.exception("HTTP front end: unexpected error")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal").response()
+
+    # ------------------------------------------------------------------ body reading
+    def _limited(self, request: Request) -> Request:
+        """413 at once on a too-large Content-Length; otherwise a request whose body is counted as it streams."""
+        limit = self.config.max_upload_bytes
+        raw = request.headers.get("content-length")
+        if raw is not None:
+            try:
+                declared = int(raw)
+            except ValueError:
+                raise ApiError(400, f"invalid Content-Length {raw!r}") from None
+            if declared > limit:
+                raise self._too_large(declared)
+        received = 0
+
+        async def receive():
+            nonlocal received
+            message = await request.receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        return Request(request.scope, receive)
+
+    def _too_large(self, size: int | None = None) -> ApiError:
+        limit_mb = self.config.max_upload_bytes / 2**20
+        what = f"{size} bytes" if size is not None else "the request body"
+        return ApiError(413, f"{what} exceeds the upload limit of {limit_mb:g} MiB (--max-upload-mb)",
+                        code="payload_too_large")
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        try:
+            body = await self._limited(request).body()
+        except _BodyTooLarge:
+            raise self._too_large() from None
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
+        return data
+
+    async def _read_multipart(self, request: Request) -> tuple[dict[str, str], bytes | None]:
+        limited = self._limited(request)
+        try:
+            form = await limited.form(max_files=1, max_fields=64)
+        except _BodyTooLarge:
+            raise self._too_large() from None
+        try:
+            fields: dict[str, str] = {}
+            video = None
+            for name, value in form.multi_items():
+                if name in fields or (name == VIDEO_PART and video is not None):
+                    raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
+                if isinstance(value, UploadFile):
+                    if name != VIDEO_PART:
+                        raise ApiError(400, f"unexpected file field {name!r} (upload the video as {VIDEO_PART!r})",
+                                       param=name, code="unknown_field")
+                    media = (value.content_type or "").split(";", 1)[0].strip().lower()
+                    if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
+                        raise ApiError(415, f"{VIDEO_PART} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
+                                       param=VIDEO_PART, code="unsupported_media_type")
+                    video = await value.read()
+                elif name == VIDEO_PART:
+                    raise ApiError(400, f"{VIDEO_PART} must be a file part (curl -F '{VIDEO_PART}=@input.mp4')",
+                                   param=VIDEO_PART, code="invalid_value")
+                else:
+                    fields[name] = value
+            return fields, video
+        finally:
+            await form.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, fields: dict[str, Any]) -> None:
+        model = fields.pop("model", None)
+        if model is None or self.model is None:
+            return
+        if model not in (self.model.name, self.model.family):
+            raise ApiError(400, f"this server serves {self.model.name!r}, not {model!r}", param="model",
+                           code="model_not_found")
+
+    def _check_upload_size(self, video: bytes) -> None:
+        limit = self.config.max_message_bytes
+        if limit is not None and len(video) + _ZMQ_OVERHEAD_BYTES > limit:
+            raise ApiError(413, f"the {len(video)}-byte video does not fit the scheduler's message limit "
+                                f"({limit / 2**20:g} MiB, --max-message-mb)", param=VIDEO_PART, code="payload_too_large")
+
+    def _model_name(self) -> str | None:
+        return self.model.name if self.model is not None else None
+
+    async def _submit(self, fields: dict[str, Any]) -> str:
+        try:
+            return await self.client.submit(**fields)
+        except ServerError as exc:
+            error = _from_client_error(exc)
+            if exc.code == "bad_request" and self.model is not None and self.model.params_type is not None:
+                error.param = next((f for f in self.model.params_type.__struct_fields__ if exc.message.startswith(f)), None)
+            raise error from None
+
+    async def _status(self, job_id: str) -> P.JobInfo:
+        try:
+            return await self.client.status(job_id)
+        except ServerError as exc:
+            if exc.code == "not_found":
+                raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
+            raise
+
+    def _remember(self, job_id: str) -> None:
+        self._video_ids[job_id] = None
+        while len(self._video_ids) > self.config.max_listed_jobs:
+            self._video_ids.popitem(last=False)
+
+    def _follow(self, job_id: str) -> None:
+        """Wait for the job in the background and record its latencies and stage timings."""
+
+        async def follow() -> None:
+            try:
+                result = await self.client.result(job_id, wait=True, as_paths=True)
+            except (ServerError, ServerDeadError, TimeoutError) as exc:
+                logger.debug("not following %s any more: %s", job_id, exc)
+                return
+            self.metrics.job(result.job, result.info)
+
+        task = asyncio.get_running_loop().create_task(follow())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    # ------------------------------------------------------------------ videos
+    async def create_video(self, request: Request) -> Response:
+        kind = _content_kind(request)
+        try:
+            if kind == "multipart":
+                fields, video = await self._read_multipart(request)
+            else:
+                fields, video = await self._read_json(request), None
+        except ClientDisconnect:
+            return Response(status_code=400)
+        if "video" in fields:
+            raise ApiError(400, f"'video' is not a field: upload the file as {VIDEO_PART!r} (multipart) "
+                                "or name a server-side file with video_path", param="video", code="unknown_field")
+        self._check_model(fields)
+        fields = convert_fields(fields, self.model.params_type if self.model else None, from_strings=kind == "multipart")
+        if video is not None:
+            if self.model is not None and "video" not in self.model.upload_fields:
+                raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
+            self._check_upload_size(video)
+            fields["video"] = video
+        job_id = await self._submit(fields)
+        self._remember(job_id)
+        self._follow(job_id)
+        return JSONResponse(video_object(await self._status(job_id), self._model_name()))
+
+    async def list_videos(self, request: Request) -> Response:
+        raw = request.query_params.get("limit", "20")
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"limit must be an integer in 1..100, got {raw!r}", param="limit", code="invalid_value")
+        ids = list(reversed(self._video_ids))
+        after = request.query_params.get("after")
+        if after is not None:
+            if after not in self._video_ids:
+                raise ApiError(400, f"after={after!r} is not a video job created here", param="after", code="invalid_value")
+            ids = ids[ids.index(after) + 1:]
+        page, has_more = ids[:limit], len(ids) > limit
+
+        async def status_or_none(job_id: str) -> P.JobInfo | None:
+            try:
+                return await self.client.status(job_id)
+            except ServerError as exc:
+                if exc.code == "not_found":  # the scheduler forgot it (finished-job bound)
+                    return None
+                raise
+
+        infos = await asyncio.gather(*(status_or_none(job_id) for job_id in page))
+        data = [video_object(info, self._model_name()) for info in infos if info is not None]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+    async def get_video(self, request: Request) -> Response:
+        return JSONResponse(video_object(await self._status(request.path_params["video_id"]), self._model_name()))
+
+    async def cancel_video(self, request: Request) -> Response:
+        job_id = request.path_params["video_id"]
+        info = await self._status(job_id)
+        if info.state in ("completed", "failed", "cancelled"):
+            raise ApiError(409, f"job {job_id} is already {info.state}; only queued or running jobs can be cancelled",
+                           param="video_id", code="not_cancellable")
+        try:
+            info = await self.client.cancel(job_id)
+        except ServerError as exc:
+            if exc.code == "not_found":
+                raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
+            raise
+        body = video_object(info, self._model_name())
+        body["cancel_requested"] = True  # a running job turns cancelled when its batch ends
+        return JSONResponse(body)
+
+    async def video_content(self, request: Request) -> Response:
+        job_id = request.path_params["video_id"]
+        try:
+            result = await self.client.result(job_id, wait=False, as_paths=True)
+        except ServerError as exc:
+            if exc.code == "not_found":
+                raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
+            raise
+        job = result.job
+        if job.state != "completed":
+            detail = f": {job.error}" if job.error else ""
+            raise ApiError(409, f"job {job_id} is {_STATUS_NAMES.get(job.state, job.state)}{detail}; "
+                                "its content exists only once it has completed", param="video_id",
+                           code=f"job_{job.state}")
+        files = result.files
+        item = next((f for f in files if f.mime.startswith("video/")), files[0] if files else None)
+        if item is None:
+            raise ApiError(500, f"job {job_id} completed without an output file", code="no_output")
+        if item.path is not None and Path(item.path).is_file():
+            return FileResponse(item.path, media_type=item.mime or "application/octet-stream",
+                                filename=Path(item.name).name)
+        fetched = await self.client.result(job_id, wait=False)  # front end on another host: fetch the bytes
+        data = next((f.data for f in fetched.files if f.name == item.name), None)
+        if data is None:
+            raise ApiError(410, f"the output of job {job_id} is no longer available", code="gone")
+        return Response(data, media_type=item.mime or "application/octet-stream",
+                        headers={"content-disposition": f'attachment; filename="{Path(item.name).name}"'})
+
+    # ------------------------------------------------------------------ images
+    async def create_images(self, request: Request) -> Response:
+        if _content_kind(request) != "json":
+            raise ApiError(415, "POST /v1/images/generations takes application/json", code="unsupported_media_type")
+        try:
+            body = await self._read_json(request)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        if self.model is not None and self.model.task and self.model.task != "t2i":
+            raise ApiError(400, f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs "
+                                "a text-to-image model", code="wrong_task")
+        self._check_model(body)
+        body.pop("user", None)  # OpenAI's end-user id: metadata only
+        prompt = body.pop("prompt", None)
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "prompt must be a non-empty string", param="prompt", code="invalid_value")
+        n = body.pop("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_images:
+            raise ApiError(400, f"n must be an integer in 1..{self.config.max_images}, got {n!r}", param="n",
+                           code="invalid_value")
+        response_format = body.pop("response_format", "b64_json")
+        if response_format != "b64_json":
+            raise ApiError(400, f"response_format {response_format!r} is not supported: only 'b64_json' "
+                                "(tilecast does not host image URLs)", param="response_format", code="invalid_value")
+        size = _parse_size(body.pop("size", None))
+        if size is not None:
+            for key in ("width", "height"):
+                if key in body:
+                    raise ApiError(400, f"give either size or {key}, not both", param=key, code="invalid_value")
+            body["width"], body["height"] = size
+        seed = body.pop("seed", None)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ApiError(400, f"seed must be a non-negative integer, got {seed!r}", param="seed", code="invalid_value")
+        if "video" in body:
+            raise ApiError(400, "'video' is not a field of an image request", param="video", code="unknown_field")
+        base_seed = seed if seed is not None else secrets.randbelow(2**31)
+        requests = [{**body, "prompt": prompt, "seed": base_seed + index} for index in range(n)]
+        requests = [convert_fields(fields, self.model.params_type if self.model else None, from_strings=False)
+                    for fields in requests]
+        job_ids: list[str] = []
+        try:
+            submitted = await asyncio.gather(*(self._submit(fields) for fields in requests), return_exceptions=True)
+            job_ids = [job_id for job_id in submitted if isinstance(job_id, str)]
+            errors = [exc for exc in submitted if isinstance(exc, BaseException)]
+            if errors:
+                raise errors[0]
+            results = await asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids))
+        except BaseException:
+            for job_id in job_ids:
+                with contextlib.suppress(Exception):
+                    await self.client.cancel(job_id)
+            raise
+        data = []
+        for result in results:
+            self.metrics.job(result.job, result.info)
+            if result.job.state != "completed":
+                dead = (result.job.error or "").startswith("server dead")
+                raise ApiError(503 if dead else 500, f"image job {result.job.job_id} {result.job.state}: {result.job.error}",
+                               code=f"job_{result.job.state}")
+            files = result.files
+            item = next((f for f in files if f.mime.startswith("image/")), files[0] if files else None)
+            if item is None or item.data is None:
+                raise ApiError(500, f"image job {result.job.job_id} returned no image file", code="no_output")
+            data.append({"b64_json": base64.b64encode(item.data).decode("ascii")})
+        return JSONResponse({"created": int(time.time()), "data": data})
+
+    # ------------------------------------------------------------------ service
+    async def list_models(self, _request: Request) -> Response:
+        if self.model is not None:
+            name, extra = self.model.name, {"family": self.model.family, "task": self.model.task}
+        else:
+            name, extra = (await self.client.health(timeout=self.config.health_timeout_s)).model, {}
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.started_at, "owned_by": "tilecast", **extra}]})
+
+    async def health(self, _request: Request) -> Response:
+        try:
+            reply = await self.client.health(timeout=self.config.health_timeout_s)
+        except (ServerDeadError, TimeoutError, ServerError) as exc:
+            return JSONResponse({"status": "unavailable", "detail": f"the scheduler did not answer: {exc}"},
+                                status_code=503)
+        body = {"model": reply.model, "world_size": reply.world_size, "queue_depth": reply.queue_depth,
+                "running": reply.running}
+        if reply.status == "serving":
+            return JSONResponse({"status": "ok", **body})
+        return JSONResponse({"status": reply.status, "detail": reply.detail, **body}, status_code=503)
+
+    async def prometheus(self, _request: Request) -> Response:
+        out = Exposition()
+        stats = None
+        try:
+            stats = await asyncio.wait_for(self.client.stats(), self.config.health_timeout_s)
+        except (asyncio.TimeoutError, ServerDeadError, ServerError) as exc:
+            logger.warning("/metrics: no stats from the scheduler (%s)", exc)
+        up = 1 if stats is not None and stats.get("status") == "serving" else 0
+        out.simple("tilecast_up", "gauge", "1 when the scheduler answered and is serving.", up)
+        if stats is not None:
+            scheduler_metrics(out, stats)
+        front_end_metrics(out, self.metrics)
+        return PlainTextResponse(out.text(), media_type=Exposition.CONTENT_TYPE)
+
+
+def create_app(config: ApiConfig) -> HttpApi:
+    """The ASGI app (call it, or hand it to uvicorn)."""
+    return HttpApi(config)

@@ -1,0 +1,197 @@
+"""Dynamic batching end to end: real ``Client`` over a real socket, the scheduler, the tiny families.
+
+In-process servers (one rank, threads) for most tests; one test through a real 2-rank torchrun
+``tilecast serve``. Outputs inside merged batches are compared with singleton outputs within
+``BATCH_TOL`` (batch shape may change kernels; see ``tests/test_families.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+from tilecast.client import Client, JobFailedError
+from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.families.flux import TINY_FLUX
+from tilecast.runtime.inproc import InProcessServer
+
+BATCH_TOL = 1e-4
+DISPATCH = re.compile(r"Dynamic batch dispatch: size=(\d+)/(\d+), user_max=8")
+SMALL = dict(width=32, height=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """One checkpoint cache for the session (``$TILECAST_CACHE``), shared with test_families."""
+    cache = tmp_path_factory.getbasetemp() / "tilecast-cache"
+    previous = os.environ.get("TILECAST_CACHE")
+    os.environ["TILECAST_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("TILECAST_CACHE", None)
+    else:
+        os.environ["TILECAST_CACHE"] = previous
+
+
+@pytest.fixture
+def serve(tiny_cache, tmp_path):
+    """``with serve(model) as (server, client)``: a dynamic-batching in-process server, stopped after."""
+
+    @contextmanager
+    def start(model_path: str, *, delay_ms: float = 300.0, max_size: int = 8):
+        config = ServeConfig(
+            model_path=model_path, device="cpu", port=0, batching_mode="dynamic", batching_max_size=max_size,
+            batching_delay_ms=delay_ms, enable_batching_metrics=True, output_dir=tmp_path / "out",
+        )
+        server = InProcessServer(config).start()
+        try:
+            with Client(server.endpoint, timeout=60.0) as client:
+                client.wait_ready(30.0)
+                yield server, client
+        finally:
+            server.stop()
+            assert server.error is None, server.error
+
+    return start
+
+
+def generate_all(client: Client, requests: list[dict], timeout: float = 120.0) -> list:
+    """Fire ``requests`` concurrently (one thread each, as separate users would) and wait for all."""
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [pool.submit(client.generate, timeout=timeout, **fields) for fields in requests]
+        return [future.result() for future in futures]
+
+
+def dispatch_sizes(caplog) -> list[int]:
+    return [int(m.group(1)) for m in DISPATCH.finditer(caplog.text)]
+
+
+def test_eight_concurrent_compatible_requests_merge_and_match_singletons(serve, caplog):
+    caplog.set_level(logging.INFO, logger="tilecast.scheduler.scheduler")
+    requests = [dict(prompt=f"prompt number {i}", seed=100 + i, return_tensor=True, **SMALL) for i in range(8)]
+    with serve("tiny/flux") as (_server, client):
+        results = generate_all(client, requests)
+        batching = client.stats()["batching"]["cumulative"]
+        assert batching["requests"] == 8 and batching["dispatches"] < 8, batching
+        assert batching["merged_rate"] > 0
+        assert max(dispatch_sizes(caplog)) > 1, caplog.text
+        assert all(r.info["batch_size"] > 1 for r in results)
+        # each request's merged output equals its own singleton output (two of them, sent alone)
+        for index in (0, 5):
+            alone = client.generate(timeout=60.0, **requests[index])
+            assert alone.info["batch_size"] == 1
+            diff = (results[index].tensor("image") - alone.tensor("image")).abs().max().item()
+            assert diff <= BATCH_TOL, f"request {index}: merged vs singleton differ by {diff:.3g}"
+        assert (results[0].tensor("image") - results[1].tensor("image")).abs().max() > 0.01
+        png = results[3].files[0]
+        assert png.mime == "image/png" and png.data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mixed_resolutions_do_not_merge(serve):
+    with serve("tiny/flux") as (_server, client):
+        sizes = [(32, 32), (48, 32), (32, 32), (48, 32)]
+        job_ids = [client.submit(prompt=f"p{i}", width=w, height=h, seed=i) for i, (w, h) in enumerate(sizes)]
+        results = [client.result(job_id, timeout=60.0) for job_id in job_ids]
+        assert all(r.job.state == "completed" for r in results)
+        assert [r.info["shape"][1:] for r in results] == [[h, w] for w, h in sizes]
+        assert [r.info["batch_size"] for r in results] == [2, 2, 2, 2]
+        batching = client.stats()["batching"]["cumulative"]
+        assert batching["dispatches"] == 2 and batching["rejects"].get("resolution", 0) >= 1, batching
+
+
+def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve):
+    with serve("tiny/flux") as (server, client):
+        transformer = server.rt.pipeline.pipe.transformer
+
+        def broken_forward(*args, **kwargs):
+            raise RuntimeError("transformer exploded")
+
+        transformer.forward = broken_forward
+        try:
+            job_ids = [client.submit(prompt=f"p{i}", seed=i, **SMALL) for i in range(3)]
+            for job_id in job_ids:
+                failed = client.result(job_id, timeout=60.0)
+                assert failed.job.state == "failed" and "transformer exploded" in failed.job.error, failed.job
+            with pytest.raises(JobFailedError, match="transformer exploded"):
+                client.generate(prompt="alone, also failing", timeout=60.0, **SMALL)
+        finally:
+            del transformer.forward  # back to the class's forward
+        batching = client.stats()["batching"]["cumulative"]
+        assert batching["size_histogram"] in ({3: 1, 1: 1}, {"3": 1, "1": 1}), batching
+        after = client.generate(prompt="still serving", timeout=60.0, **SMALL)
+        assert after.job.state == "completed" and after.files
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "mime"),
+    [
+        ("tiny/flux", {}, "image/png"),
+        ("tiny/qwen-image", {}, "image/png"),
+        ("tiny/z-image-turbo", {}, "image/png"),
+        ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
+    ],
+)
+def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
+    with serve(model, delay_ms=200.0) as (_server, client):
+        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **SMALL, **extra) for i in range(2)])
+        single = client.generate(prompt="alone", timeout=60.0, **SMALL, **extra)
+        assert [r.info["batch_size"] for r in pair] == [2, 2] and single.info["batch_size"] == 1
+        for result in (*pair, single):
+            assert result.job.state == "completed" and result.files[0].mime == mime
+            assert len(result.files[0].data) > 100
+        assert client.stats()["batching"]["cumulative"]["size_histogram"] in ({2: 1, 1: 1}, {"2": 1, "1": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_path):
+    from tests.servers import ServerProcess
+
+    TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
+    server = ServerProcess(
+        "--model-path", "tiny/flux", "--num-gpus", "2", "--device", "cpu", "--batching-mode", "dynamic",
+        "--batching-max-size", "8", "--batching-delay-ms", "200", "--enable-batching-metrics",
+        "--output-dir", str(tmp_path / "out"),
+        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1"}, ready_timeout=150.0,
+    )
+    try:
+        with server.client(timeout=60.0) as client:
+            requests = [dict(prompt=f"two ranks {i}", seed=i, return_tensor=True, **SMALL) for i in range(8)]
+            results = generate_all(client, requests)
+            assert client.health().world_size == 2
+            assert client.stats()["batching"]["cumulative"]["dispatches"] < 8
+            alone = client.generate(timeout=60.0, **requests[2])
+            assert alone.info["batch_size"] == 1
+            diff = (results[2].tensor("image") - alone.tensor("image")).abs().max().item()
+            assert diff <= BATCH_TOL
+    finally:
+        server.stop()
+    sizes = [int(m.group(1)) for m in DISPATCH.finditer(server.log())]
+    assert sizes and max(sizes) > 1, server.log()[-3000:]
+    assert not server.leftovers()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_batching_bench_reports_both_servers(tiny_cache, capsys):
+    from tilecast.runtime.families.bench_batching import run_batching_bench
+
+    TINY_FLUX.ensure(tiny_cache)
+    report = run_batching_bench(
+        "tiny/flux", num_clients=4, requests_per_client=2, width=32, height=32, steps=1, device="cpu",
+        batching_delay_ms=100.0,
+    )
+    for mode in ("singleton", "dynamic"):
+        row = report[mode]
+        assert row["requests"] == 8 and row["errors"] == 0, row
+        assert row["throughput_rps"] > 0 and 0 < row["p50_ms"] <= row["p95_ms"]
+    assert report["singleton"]["merged_rate"] == 0.0
+    assert report["dynamic"]["merged_rate"] > 0.0, report["dynamic"]
+    assert report["throughput_ratio"] > 0
+    out = capsys.readouterr().out
+    assert "singleton" in out and "dynamic" in out and "ratio" in out

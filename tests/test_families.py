@@ -1,0 +1,210 @@
+"""The batchable T2I/T2V families on their tiny checkpoints, one rank, no server.
+
+A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
+(fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6): batch shape may change kernels, the seeds do not change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from tilecast.runtime.families.common import T2IParams, T2VParams
+from tilecast.runtime.families.flux import TINY_FLUX, FluxT2IPipeline
+from tilecast.runtime.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.families.wan import WanT2VPipeline
+from tilecast.runtime.families.z_image import ZImageT2IPipeline
+from tilecast.runtime.pipeline import RankContext, WorkItem
+from tilecast.runtime.registry import resolve_pipeline
+
+BATCH_TOL = 1e-4
+"""Max abs difference between a request's batched and singleton fp32 output."""
+
+FAMILIES = {
+    "tiny/flux": FluxT2IPipeline,
+    "tiny/qwen-image": QwenImageT2IPipeline,
+    "tiny/z-image-turbo": ZImageT2IPipeline,
+    "tiny/wan2.1-t2v": WanT2VPipeline,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """One checkpoint cache for the session (``$TILECAST_CACHE``), shared with the e2e tests."""
+    import os
+
+    cache = tmp_path_factory.getbasetemp() / "tilecast-cache"
+    previous = os.environ.get("TILECAST_CACHE")
+    os.environ["TILECAST_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("TILECAST_CACHE", None)
+    else:
+        os.environ["TILECAST_CACHE"] = previous
+
+
+def make_ctx(output_dir: Path) -> RankContext:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return RankContext(
+        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
+        output_dir=output_dir, options={"dtype": "float32"},
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_cache, tmp_path_factory):
+    """name -> (pipeline, ctx), loaded lazily once per module."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            ctx = make_ctx(tmp_path_factory.mktemp(name.replace("/", "-")))
+            cache[name] = (FAMILIES[name].load(name, ctx), ctx)
+        return cache[name]
+
+    return get
+
+
+def params_for(pipe, **fields):
+    fields.setdefault("width", 32)
+    fields.setdefault("height", 32)
+    return pipe.prepare(pipe.params_type(**fields), {})
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def test_tiny_checkpoint_is_byte_identical_on_every_build(tiny_cache, tmp_path):
+    first = TINY_FLUX.ensure(tiny_cache)
+    second = TINY_FLUX.ensure(tmp_path)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert {Path("model_index.json"), Path("tokenizer/tokenizer.json"), Path("tokenizer_2/tokenizer.json")} <= set(files)
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    for rel in files:
+        assert (first / rel).read_bytes() == (second / rel).read_bytes(), rel
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")], "staging dir left behind"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_builtin_name_and_checkpoint_directory_route_to_the_family(name, tiny_cache):
+    cls = FAMILIES[name]
+    assert resolve_pipeline(name) is cls
+    directory = cls.checkpoint.ensure(tiny_cache)
+    assert json.loads((directory / "model_index.json").read_text())["_class_name"] == cls.diffusers_class
+    assert resolve_pipeline(str(directory)) is cls
+
+
+# ---- batch == singleton --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
+    pipe, ctx = loaded(name)
+    a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
+    b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
+    alone = pipe.run([WorkItem(job_id="alone", params=a)], ctx)[0]
+    pair = pipe.run([WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)], ctx)
+    kind = pipe.output_kind
+    x, y, other = alone.tensors[kind], pair[0].tensors[kind], pair[1].tensors[kind]
+    expected_shape = (3, 32, 32) if kind == "image" else (a.num_frames, 3, 32, 32)
+    assert tuple(x.shape) == expected_shape and x.dtype == torch.float32
+    assert torch.isfinite(x).all() and 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.01
+    diff = (x - y).abs().max().item()
+    assert diff <= BATCH_TOL, f"{name}: batched output differs from singleton by {diff:.3g}"
+    assert (x - other).abs().max() > 0.01, "a different prompt and seed gave the same output"
+    assert pair[0].info["batch_size"] == 2
+    # files: a readable PNG / MP4 of the requested size
+    written = alone.files[0]
+    if kind == "image":
+        from PIL import Image
+
+        assert written.mime == "image/png" and written.path.suffix == ".png"
+        assert Image.open(written.path).size == (32, 32)
+    else:
+        import av
+
+        assert written.mime == "video/mp4"
+        with av.open(str(written.path)) as container:
+            frames = list(container.decode(video=0))
+        assert len(frames) == a.num_frames and (frames[0].width, frames[0].height) == (32, 32)
+
+
+def test_seed_alone_decides_the_noise(loaded):
+    pipe, ctx = loaded("tiny/flux")
+    a = params_for(pipe, prompt="same", seed=7, return_tensor=True)
+    b = params_for(pipe, prompt="same", seed=8, return_tensor=True)
+    out = pipe.run([WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b), WorkItem(job_id="c", params=a)], ctx)
+    assert (out[0].tensors["image"] - out[2].tensors["image"]).abs().max() <= BATCH_TOL
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+
+
+def test_output_file_name_and_jpeg(loaded):
+    pipe, ctx = loaded("tiny/flux")
+    params = params_for(pipe, prompt="x", output_format="jpeg", output_file_name="mine.jpg")
+    out = pipe.run([WorkItem(job_id="j", params=params)], ctx)[0]
+    assert out.files[0].path == ctx.output_dir / "mine.jpg" and out.files[0].mime == "image/jpeg"
+    assert out.files[0].path.read_bytes()[:2] == b"\xff\xd8" and not out.tensors
+
+
+# ---- params, validation, batch keys --------------------------------------------------------
+
+
+def test_defaults_are_resolved_in_prepare(loaded):
+    flux, _ = loaded("tiny/flux")
+    wan, _ = loaded("tiny/wan2.1-t2v")
+    p = flux.prepare(T2IParams(prompt="x"), {})
+    assert (p.width, p.height, p.num_inference_steps, p.guidance_scale, p.output_format) == (64, 64, 2, 3.5, "png")
+    v = wan.prepare(T2VParams(prompt="x"), {})
+    assert (v.num_frames, v.num_inference_steps, v.guidance_scale, v.output_format) == (5, 2, 5.0, "mp4")
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("tiny/flux", {"width": 40}, "width must be a multiple of 16"),
+        ("tiny/flux", {"height": 8192}, "height must be a multiple of 16"),
+        ("tiny/flux", {"num_inference_steps": 0}, "num_inference_steps"),
+        ("tiny/flux", {"negative_prompt": "blurry"}, "negative_prompt is ignored by flux"),
+        ("tiny/flux", {"output_format": "mp4"}, "output_format must be one of png, jpeg"),
+        ("tiny/flux", {"output_file_name": "../x.png"}, "output_file_name"),
+        ("tiny/flux", {"prompt": "  "}, "prompt must not be empty"),
+        ("tiny/z-image-turbo", {"negative_prompt": "blurry"}, "negative_prompt is ignored"),
+        ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt is ignored"),
+        ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
+        ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
+    ],
+)
+def test_prepare_refuses_bad_requests_naming_the_field(name, fields, message, loaded):
+    pipe, _ = loaded(name)
+    fields = {"prompt": "x", **fields}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe.prepare(pipe.params_type(**fields), {})
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(msgspec.ValidationError, match="fail"):
+        msgspec.convert({"prompt": "x", "fail": True}, T2IParams)
+    with pytest.raises(msgspec.ValidationError, match="num_frames"):
+        msgspec.convert({"prompt": "x", "num_frames": 5}, T2IParams)
+
+
+def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
+    pipe, _ = loaded("tiny/qwen-image")
+    a = params_for(pipe, prompt="a", seed=1, negative_prompt="x", output_file_name="a.png")
+    b = params_for(pipe, prompt="b", seed=2)
+    assert pipe.batch_key(a) == pipe.batch_key(b)
+    assert set(pipe.batch_key(a)) == {
+        "width", "height", "num_inference_steps", "guidance_scale", "output_format", "return_tensor",
+    }
+    for change in ({"num_inference_steps": 3}, {"guidance_scale": 1.0}, {"return_tensor": True}, {"width": 48}):
+        assert pipe.batch_key(params_for(pipe, prompt="a", **change)) != pipe.batch_key(b), change
+    wan, _ = loaded("tiny/wan2.1-t2v")
+    wan_key = wan.batch_key(params_for(wan, prompt="a"))
+    assert "num_frames" in wan_key and "fps" not in wan_key  # fps only stamps the file
+    assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
