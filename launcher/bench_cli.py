@@ -101,3 +101,14 @@ def batching(
     )
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _mount_placement() -> None:
+    from tilecast.runtime.k6sr.bench_placement import placement_command
+
+    bench_app.command("placement", help="GPU: peak memory and hot time of each weight placement (released size).")(
+        placement_command
+    )
+
+
+_mount_placement()

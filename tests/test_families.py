@@ -208,3 +208,15 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     wan_key = wan.batch_key(params_for(wan, prompt="a"))
     assert "num_frames" in wan_key and "fps" not in wan_key  # fps only stamps the file
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
+
+
+def test_settings_only_k6sr_implements_are_named_as_ignored():
+    from tilecast.runtime.families.common import ignored_settings
+
+    options = {"tp_size": 1, "ulysses_degree": 2, "ring_degree": 1, "vae": {"use_parallel_tiling": True},
+               "tile_parallel": True, "layerwise_offload_components": "all", "use_fsdp_inference": True}
+    assert ignored_settings(options) == [
+        "--ulysses-degree 2", "--vae-config.use-parallel-tiling true", "--tile-parallel",
+        "--layerwise-offload-components all", "--use-fsdp-inference true",
+    ]
+    assert ignored_settings({"vae": {}}) == []

@@ -34,7 +34,7 @@ def _audio(path) -> np.ndarray:
         return np.concatenate([frame.to_ndarray() for frame in container.decode(audio=0)], axis=-1)
 
 
-def _generate(video, out, *topology) -> "Path":  # noqa: F821
+def _generate(video, out, *topology) -> tuple:
     command = [
         sys.executable, "-m", "tilecast", "generate", "--model-path", "tiny/k6sr", "--device", "cpu",
         "--video-path", str(video), "--sr-resolution-scale", "2", "--num-inference-steps", "2", "--seed", "42",

@@ -21,10 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import os
 import re
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -32,6 +29,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 import torch
 
+from tilecast.runtime.cache import ensure_model_dir
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
 logger = logging.getLogger(__name__)
@@ -110,12 +108,6 @@ class T2VParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _BUILD_LOCK = threading.Lock()
 
 
-def default_cache_dir() -> Path:
-    """``$TILECAST_CACHE`` if set, else ``~/.cache/tilecast``."""
-    env = os.environ.get("TILECAST_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tilecast"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TinyCheckpoint:
     """A built-in checkpoint generated on first use: seeded weights, tiny configs, offline tokenizer."""
@@ -141,23 +133,7 @@ class TinyCheckpoint:
         Safe against concurrent callers (several ranks): each writes a private temporary directory
         and renames it into place; the loser of the race discards its copy.
         """
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        target = root / "models" / self.name
-        if (target / "model_index.json").is_file():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{self.name}-", dir=target.parent))
-        try:
-            self.write(staging / "ckpt")
-            try:
-                os.rename(staging / "ckpt", target)
-                logger.info("wrote the tiny checkpoint %s", target)
-            except OSError:
-                if not (target / "model_index.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
+        return ensure_model_dir(self.name, self.write, cache_dir)
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -194,6 +170,23 @@ def output_path(ctx: RankContext, item: WorkItem, fmt: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------ pipeline
+def ignored_settings(options: dict) -> list[str]:
+    """Server settings that only Kandinsky 6 SR implements, named as their flags."""
+    ignored = [f"--{name.replace('_', '-')} {options[name]}" for name in ("tp_size", "ulysses_degree", "ring_degree")
+               if options.get(name, 1) > 1]
+    vae = options.get("vae") or {}
+    ignored += [f"--vae-config.{name.replace('_', '-')} true" for name in ("use_parallel_tiling", "use_parallel_decode")
+                if vae.get(name)]
+    if options.get("tile_parallel"):
+        ignored.append("--tile-parallel")
+    for name in ("layerwise_offload_components", "cpu_offload_components"):
+        if options.get(name):
+            ignored.append(f"--{name.replace('_', '-')} {options[name]}")
+    if options.get("use_fsdp_inference"):
+        ignored.append("--use-fsdp-inference true")
+    return ignored
+
+
 class DiffusersBatchPipeline(Pipeline):
     """A batchable T2I/T2V pipeline over a diffusers pipeline object (see the module docstring).
 
@@ -240,6 +233,9 @@ class DiffusersBatchPipeline(Pipeline):
         pipe.to(ctx.device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, ctx.device)
+        if ctx.rank == 0:
+            for setting in ignored_settings(ctx.options):
+                logger.warning("%s: %s is ignored (this family runs replicated on every rank)", cls.family, setting)
         return cls(pipe, ctx)
 
     # ---------------------------------------------------------------- requests

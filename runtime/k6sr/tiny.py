@@ -16,13 +16,12 @@ in_visual_dim``), tiles whose token grids are multiples of 8 (128 px at factor 1
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from tilecast.runtime.cache import ensure_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +64,6 @@ SCHEDULER_CONFIG: dict = dict(n_grid=10)
 _BUILD_LOCK = threading.Lock()
 
 
-def default_cache_dir() -> Path:
-    """``$TILECAST_CACHE`` if set, else ``~/.cache/tilecast``."""
-    env = os.environ.get("TILECAST_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tilecast"
-
-
 def build_tiny_pipeline():
     """Construct the tiny ``Kandinsky6SRPipeline`` in memory (float32, CPU, seeded weights)."""
     from diffusers import (
@@ -108,21 +101,4 @@ def ensure_tiny_k6sr(cache_dir: Path | None = None) -> Path:
     ``<cache_dir>/models/tiny-k6sr-v1``. Safe against concurrent callers: each writes a private
     temporary directory and renames it into place; the loser of the race discards its copy.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "models" / TINY_NAME
-    if (target / "model_index.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=target.parent))
-    try:
-        write_tiny_k6sr(staging / "ckpt")
-        try:
-            os.rename(staging / "ckpt", target)
-            logger.info("wrote the tiny k6sr checkpoint to %s", target)
-        except OSError:
-            # Another rank renamed its copy first (target exists and is non-empty).
-            if not (target / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_model_dir(TINY_NAME, write_tiny_k6sr, cache_dir)
