@@ -113,6 +113,7 @@ def serve(
     http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
     max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
     tile_parallel: O.TileParallel = False,
+    compile_dit: O.Compile = False,
 ) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
@@ -126,7 +127,7 @@ def serve(
             batching_delay_ms=batching_delay_ms, batching_config=batching_config,
             enable_batching_metrics=enable_batching_metrics, max_queued_requests=max_queued_requests,
             max_message_mb=max_message_mb, http_port=http_port, http_host=http_host, max_upload_mb=max_upload_mb,
-            tile_parallel=tile_parallel,
+            tile_parallel=tile_parallel, compile=compile_dit,
             layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
             dit_offload_prefetch_size=dit_offload_prefetch_size,
             dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,
@@ -186,6 +187,7 @@ def generate(
     output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
     save_frames: Annotated[bool, typer.Option("--save-frames", help="Also save the raw uint8 frames as .npy.")] = False,
     tile_parallel: O.TileParallel = False,
+    compile_dit: O.Compile = False,
 ) -> None:
     """Run one request offline on the same ranks and pipeline as ``serve``."""
     if not save_output:
@@ -209,7 +211,7 @@ def generate(
             parallel_decode_mode=parallel_decode_mode,
             allowed_video_dir=[video_path.resolve().parent] if video_path else None,
             heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_path,
-            tile_parallel=tile_parallel,
+            tile_parallel=tile_parallel, compile=compile_dit,
             layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
             dit_offload_prefetch_size=dit_offload_prefetch_size,
             dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,

@@ -39,6 +39,7 @@ ParallelDecodeMode = Annotated[str, typer.Option("--vae-config.parallel-decode-m
 AllowedVideoDir = Annotated[Optional[list[Path]], typer.Option("--allowed-video-dir", help="Directory whose files requests may name as video_path (repeatable).")]
 HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="A silent rank is dead after this many seconds.")]
 StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
+Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the DiT blocks (the first request pays the compile time).")]
 TileParallel = Annotated[bool, typer.Option("--tile-parallel", help="Deal whole tile chunks to data-parallel groups for the DiT too (same output).")]
 LayerwiseOffload = Annotated[Optional[str], typer.Option("--layerwise-offload-components", help="Stream these components' blocks from host memory: all, or transformer/vae/latent_upscaler (space or comma separated).")]
 CpuOffload = Annotated[Optional[str], typer.Option("--cpu-offload-components", help="Move these components to the device whole around their use: all, or transformer/vae/latent_upscaler.")]

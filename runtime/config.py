@@ -56,6 +56,8 @@ class ServeConfig:
     """Attention backend name (None: the fastest correct one for the device)."""
     vae: VaeConfig = dataclasses.field(default_factory=VaeConfig)
     """Parallel decode settings (``--vae-config.*``)."""
+    compile: bool = False
+    """``torch.compile`` the DiT's repeated blocks (CUDA; the first request pays the compile time)."""
     tile_parallel: bool = False
     """Deal whole tile chunks to data-parallel groups for the DiT too (identical output)."""
     batching_mode: str = "off"
@@ -182,5 +184,6 @@ class ServeConfig:
             "ring_degree": self.ring_degree,
             "vae": dataclasses.asdict(self.vae),
             "tile_parallel": self.tile_parallel,
+            "compile": self.compile,
             **self.placement.as_options(),
         }

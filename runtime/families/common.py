@@ -179,6 +179,8 @@ def ignored_settings(options: dict) -> list[str]:
                 if vae.get(name)]
     if options.get("tile_parallel"):
         ignored.append("--tile-parallel")
+    if options.get("compile"):
+        ignored.append("--compile")
     for name in ("layerwise_offload_components", "cpu_offload_components"):
         if options.get(name):
             ignored.append(f"--{name.replace('_', '-')} {options[name]}")

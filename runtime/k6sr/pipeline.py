@@ -122,6 +122,8 @@ class K6SRPipeline(Pipeline):
                 apply_dit_parallel(parts.transformer, **groups, backend=options.get("attention_backend"))
         pipeline = cls(parts, ctx, model_name=model_path)
         pipeline.placement = apply_placement(parts, ctx, options)
+        if options.get("compile"):
+            parts.transformer.compile_repeated_blocks()  # last: after parallel hooks and placement
         return pipeline
 
     # --------------------------------------------------------------- prepare
