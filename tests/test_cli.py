@@ -1,0 +1,76 @@
+"""The `tilecast` command refuses bad set-ups before any rank starts, and routes models as documented."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from tilecast.launcher import cli
+from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.registry import resolve_pipeline
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test if the command gets as far as starting ranks."""
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("ranks were started despite an invalid set-up")
+
+    monkeypatch.setattr(cli, "_run_ranks", started)
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(cli.app, list(args))
+
+
+def test_invalid_topology_lists_every_error_and_starts_nothing(no_ranks):
+    result = _invoke("serve", "--model-path", "tiny/k6sr", "--device", "cpu", "--num-gpus", "2",
+                     "--ulysses-degree", "5")
+    assert result.exit_code == 2
+    assert "GPU count must equal TP times Ulysses times Ring" in result.output
+    assert "TP times Ulysses must divide the 12 DiT heads" in result.output
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        ('{"schema_version": 1, "rules": [{"model_contains": "flux", "max_batchsize": 2}]}', "max_batch_size"),
+        ('{"schema_version": 2, "rules": []}', "schema_version"),
+        ('{"schema_version": 1, "rules": [{"model_contains": "flux"}]}', "max_batch_size"),
+        ('{"schema_version": 1, "rules": [', "JSON"),
+    ],
+    ids=["unknown-key", "schema", "missing-cap", "bad-json"],
+)
+def test_bad_batching_rules_stop_start_up(no_ranks, tmp_path, rules, message):
+    path = tmp_path / "rules.json"
+    path.write_text(rules)
+    result = _invoke("serve", "--model-path", "tiny/flux", "--device", "cpu", "--batching-mode", "dynamic",
+                     "--batching-max-size", "4", "--batching-config", str(path))
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_bad_values_name_their_flag(no_ranks):
+    result = _invoke("serve", "--model-path", "tiny/k6sr", "--device", "cpu", "--batching-mode", "sometimes")
+    assert result.exit_code == 2 and "--batching-mode" in result.output
+    result = _invoke("serve", "--model-path", "tiny/k6sr", "--device", "tpu")
+    assert result.exit_code == 2 and "--device" in result.output
+    result = _invoke("serve", "--model-path", "/no/such/model", "--device", "cpu")
+    assert result.exit_code == 2 and "/no/such/model" in result.output
+
+
+def test_model_id_keeps_sr_routing_for_a_renamed_checkpoint(tmp_path):
+    renamed = tmp_path / "my-upscaler"
+    shutil.copytree(ensure_tiny_k6sr(), renamed)
+    index = json.loads((renamed / "model_index.json").read_text())
+    index["_class_name"] = "DiffusionPipeline"  # what a re-exported or renamed checkpoint may carry
+    (renamed / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="--model-id"):
+        resolve_pipeline(str(renamed))
+    assert resolve_pipeline(str(renamed), "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers") is K6SRPipeline
+    assert resolve_pipeline(str(ensure_tiny_k6sr())) is K6SRPipeline
