@@ -138,6 +138,16 @@ class _Base:
         with self._ids_lock:
             return next(self._ids)
 
+    def _resolve(self, frames: list) -> None:
+        """Hand a reply to the call waiting for its request id (undecodable replies are dropped)."""
+        try:
+            msg, payloads = P.decode(frames, allowed=P.REPLY_TYPES)
+        except P.WireError:
+            return
+        future = self._pending.pop(msg.req_id, None)
+        if future is not None and not future.done():
+            future.set_result((msg, payloads))
+
     def _socket(self, context: zmq.Context):
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -195,13 +205,7 @@ class Client(_Base):
             sock.close(linger=0)
 
     def _deliver(self, frames: list) -> None:
-        try:
-            msg, payloads = P.decode(frames, allowed=P.REPLY_TYPES)
-        except P.WireError:
-            return
-        future = self._pending.pop(msg.req_id, None)
-        if future is not None and not future.done():
-            future.set_result((msg, payloads))
+        self._resolve(frames)
 
     # -- calls
     def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
@@ -305,14 +309,7 @@ class AsyncClient(_Base):
 
     async def _read(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                msg, payloads = P.decode(frames, allowed=P.REPLY_TYPES)
-            except P.WireError:
-                continue
-            future = self._pending.pop(msg.req_id, None)
-            if future is not None and not future.done():
-                future.set_result((msg, payloads))
+            self._resolve(await self._sock.recv_multipart())
 
     async def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
         await self._ensure()

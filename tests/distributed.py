@@ -18,6 +18,7 @@ every child is joined or killed in all cases.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -27,9 +28,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "run_ranks"]
+__all__ = ["RankError", "free_port", "one_thread", "run_ranks"]
 
 
 class RankError(RuntimeError):
@@ -155,3 +157,15 @@ def run_ranks(
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s (killed)")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one thread, as each rank does: CPU conv kernels split work by thread count,
+    which changes rounding, so "the same topology" for a single-rank reference includes it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

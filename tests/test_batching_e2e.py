@@ -8,7 +8,6 @@ In-process servers (one rank, threads) for most tests; one test through a real 2
 from __future__ import annotations
 
 import logging
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,19 +22,6 @@ from tilecast.runtime.inproc import InProcessServer
 BATCH_TOL = 1e-4
 DISPATCH = re.compile(r"Dynamic batch dispatch: size=(\d+)/(\d+), user_max=8")
 SMALL = dict(width=32, height=32)
-
-
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    """One checkpoint cache for the session (``$TILECAST_CACHE``), shared with test_families."""
-    cache = tmp_path_factory.getbasetemp() / "tilecast-cache"
-    previous = os.environ.get("TILECAST_CACHE")
-    os.environ["TILECAST_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        os.environ.pop("TILECAST_CACHE", None)
-    else:
-        os.environ["TILECAST_CACHE"] = previous
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ chunk in the last round; a hang there would hit the hard timeout.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, one_thread
 from tilecast.runtime.k6sr.decode_parallel import decode_serial, decode_whole_tiles, num_rounds, owner_of
 from tilecast.runtime.k6sr.tile_parallel import TileWork, select_decode_mode
 from tilecast.runtime.k6sr.tiling import plan_tiles
@@ -67,18 +66,6 @@ def _whole_tile(rank, world_size, cases):
                 for _ in range(repeats)
             ])
     return outputs
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Ranks run torch on one thread; CPU conv kernels split work by thread count, which changes
-    rounding, so "the same topology" for the single-rank reference includes the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

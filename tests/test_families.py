@@ -34,21 +34,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    """One checkpoint cache for the session (``$TILECAST_CACHE``), shared with the e2e tests."""
-    import os
-
-    cache = tmp_path_factory.getbasetemp() / "tilecast-cache"
-    previous = os.environ.get("TILECAST_CACHE")
-    os.environ["TILECAST_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        os.environ.pop("TILECAST_CACHE", None)
-    else:
-        os.environ["TILECAST_CACHE"] = previous
-
-
 def make_ctx(output_dir: Path) -> RankContext:
     output_dir.mkdir(parents=True, exist_ok=True)
     return RankContext(

@@ -16,14 +16,13 @@ the high-water mark per rank of the sharded decode is compared with the serial d
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, one_thread
 from tilecast.kernels.halo import gather_rows, halo_exchange, split_sizes
 from tilecast.runtime.k6sr.spatial_shard import decode_spatial_shard, shard_sizes, sharded_decoder
 
@@ -73,16 +72,6 @@ class ActivationHighWater:
     def close(self):
         for handle in self.handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def serial_decode(rows: int, latent_frames: int) -> tuple[torch.Tensor, int]:

@@ -9,13 +9,12 @@ and spatial-shard decode (both after a replicated denoise).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, one_thread
 from tilecast.runtime.k6sr.tiling import plan_tiles
 
 TIMEOUT = 120
@@ -96,16 +95,6 @@ def _units(rank, world_size, model_dir):
             )
             outputs[mode] = work.run(parts, tiles_NCTHW, settings, plan, num_frames)
     return outputs
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
