@@ -84,8 +84,11 @@ def init_ranks(device: str, *, timeout_s: float) -> Ranks:
 
 
 def shutdown_ranks(ranks: Ranks) -> None:
+    """Tear the groups down together: a barrier first, so no rank closes its connections while a
+    peer's last gloo transfer is in flight (which can abort the peer at exit)."""
     if ranks.distributed and dist.is_initialized():
         try:
+            dist.barrier(group=ranks.cpu_group)
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass

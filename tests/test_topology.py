@@ -178,6 +178,7 @@ def _mesh_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 sums[axis] = t.item()
             report[name] = {"members": members, "same": same, "sums": sums, "coordinate": groups.coordinate}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # nobody tears down while a peer's last transfer is in flight
     finally:
         dist.destroy_process_group()
 
