@@ -133,7 +133,7 @@ def test_output_file_name_and_jpeg(loaded):
     pipe, ctx = loaded("tiny/flux")
     params = params_for(pipe, prompt="x", output_format="jpeg", output_file_name="mine.jpg")
     out = pipe.run([WorkItem(job_id="j", params=params)], ctx)[0]
-    assert out.files[0].path == ctx.output_dir / "mine.jpg" and out.files[0].mime == "image/jpeg"
+    assert out.files[0].path == ctx.output_dir / "j" / "mine.jpg"  # a folder per job and out.files[0].mime == "image/jpeg"
     assert out.files[0].path.read_bytes()[:2] == b"\xff\xd8" and not out.tensors
 
 

@@ -164,9 +164,10 @@ def write_mp4(video_FCHW: torch.Tensor, path: Path, *, fps: int) -> None:
             container.mux(packet)
 
 
-def output_path(ctx: RankContext, item: WorkItem, fmt: str) -> Path:
-    name = item.params.output_file_name or f"{item.job_id}.{fmt}"
-    return ctx.output_dir / name
+def output_path(ctx: RankContext, item: WorkItem, family: str, fmt: str) -> Path:
+    """``<job folder>/<output_file_name or family_seedN.fmt>`` (a folder per served job: no collisions)."""
+    name = item.params.output_file_name or f"{family}_seed{item.params.seed}.{fmt}"
+    return ctx.job_dir(item.job_id) / name
 
 
 # ------------------------------------------------------------------------------------ pipeline
@@ -338,7 +339,7 @@ class DiffusersBatchPipeline(Pipeline):
             if params.return_tensor:
                 out.tensors[self.output_kind] = sample.contiguous()
             if ctx.is_output_rank:
-                path = output_path(ctx, item, params.output_format)
+                path = output_path(ctx, item, self.family, params.output_format)
                 if self.output_kind == "image":
                     path.write_bytes(image_bytes(sample, params.output_format))
                     mime = IMAGE_FORMATS[params.output_format]
