@@ -80,7 +80,8 @@ class HeartbeatSender(threading.Thread):
         try:
             while not self._halt.is_set():
                 try:
-                    sock.send(encoder.encode([self.rank, os.getpid(), self.beat.counter, self.beat.busy]), zmq.NOBLOCK)
+                    message = [self.rank, os.getpid(), self.beat.counter, self.beat.busy, socket.gethostname()]
+                    sock.send(encoder.encode(message), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 self._halt.wait(self.interval_s)
@@ -115,6 +116,7 @@ class Watchdog(threading.Thread):
         self.progress = {rank: (-1, now) for rank in range(world_size)}
         self.busy = {rank: False for rank in range(world_size)}
         self.pids: dict[int, int] = {}
+        """Pids of the worker ranks on this host (a vanished one names the dead rank)."""
         self.fired = False
 
     def stop(self) -> None:
@@ -127,12 +129,13 @@ class Watchdog(threading.Thread):
                 if self._sock.poll(int(self.config.heartbeat_interval_s * 1000)):
                     while True:
                         try:
-                            rank, pid, counter, busy = decoder.decode(self._sock.recv(zmq.NOBLOCK))
+                            rank, pid, counter, busy, host = decoder.decode(self._sock.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
                         self._observe(rank, counter, busy)
                         self.last_seen[rank] = self.clock()
-                        self.pids[rank] = pid
+                        if host == socket.gethostname():
+                            self.pids[rank] = pid
                 self._observe(0, self.beat.counter, self.beat.busy)
                 reason = self.check()
                 if reason and not self.fired:
