@@ -49,7 +49,15 @@ def _validate_topology(config: ServeConfig) -> None:
     if config.device == "cuda":
         import torch
 
-        hardware = detect_hardware(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+        from tilecast.runtime.distributed import under_torchrun
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available here (use --device cpu)")
+        if not under_torchrun() and torch.cuda.device_count() < config.num_gpus:
+            raise ValueError(
+                f"--num-gpus {config.num_gpus} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        hardware = detect_hardware(torch.cuda.get_device_name(0))
     errors = validate_serve_topology(
         config.num_gpus, config.tp_size, config.ulysses_degree, config.ring_degree, num_heads=num_heads,
         attention_backend=_picker_backend(config.attention_backend), hardware=hardware,

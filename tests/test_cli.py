@@ -60,6 +60,11 @@ def test_bad_values_name_their_flag(no_ranks):
     assert result.exit_code == 2 and "--batching-mode" in result.output
     result = _invoke("serve", "--model-path", "tiny/k6sr", "--device", "tpu")
     assert result.exit_code == 2 and "--device" in result.output
+    import torch
+
+    if not torch.cuda.is_available():
+        result = _invoke("serve", "--model-path", "tiny/k6sr")  # the default device is cuda
+        assert result.exit_code == 2 and "--device cpu" in result.output
     result = _invoke("serve", "--model-path", "/no/such/model", "--device", "cpu")
     assert result.exit_code == 2 and "/no/such/model" in result.output
 
