@@ -27,8 +27,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# CPU-capable benchmark; the GPU ones are `tilecast bench k6sr|attention|placement` (see README).
 bench: install
-	$(PY) -m tilecast bench --help
+	$(PY) -m tilecast bench batching --model-path tiny/flux --num-clients 8 --requests-per-client 3
 
 clean:
 	rm -rf $(VENV) demo_outputs outputs .pytest_cache

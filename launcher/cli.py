@@ -8,6 +8,7 @@ tilecast serve ...`` works across nodes).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -69,17 +70,26 @@ def _validate_topology(config: ServeConfig) -> None:
         raise typer.Exit(2)
 
 
+def _guarded(entry) -> int:
+    """Run a rank; a user mistake found while loading (``ValueError``) is an error line, not a traceback."""
+    try:
+        return entry()
+    except ValueError as exc:
+        rank = os.environ.get("RANK")
+        _fail(f"{'rank ' + rank + ': ' if rank else ''}{exc}", code=1)
+
+
 def _run_ranks(config: ServeConfig, entry) -> int:
     """Under torchrun (or with one rank): run here. Otherwise: re-run this command on N ranks."""
     from tilecast.runtime.distributed import under_torchrun
 
     if under_torchrun():
-        world = int(__import__("os").environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"])
         if world != config.num_gpus:
             _fail(f"--num-gpus {config.num_gpus} but torchrun started {world} ranks (WORLD_SIZE)")
-        return entry()
+        return _guarded(entry)
     if config.num_gpus == 1:
-        return entry()
+        return _guarded(entry)
     from tilecast.launcher.torchrun import launch
 
     return launch(config.num_gpus, sys.argv[1:])
