@@ -26,7 +26,7 @@ from tests.distributed import run_ranks
 from tilecast.runtime.k6sr.params import SRParams
 from tilecast.runtime.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.pipeline import RankContext
-from tilecast.runtime.placement import LayerStreamer, PlacementConfig, apply_placement, on_device
+from tilecast.runtime.placement import LayerStreamer, PlacementConfig, on_device
 
 ROUNDING = 1e-5
 """fp32 rounding bound versus the as-loaded (unaligned) resident weights; measured 1.8e-6."""

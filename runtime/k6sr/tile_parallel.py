@@ -157,11 +157,10 @@ class TileWork:
         decode = _bind_decode(stages, parts)
         started = time.perf_counter()
         if self.tile_parallel:
-            unit_decode = decode
-            if self.decode_mode == "spatial_shard" and self.unit_size > 1:
+            def spatial_decode(latents_BCTHW: torch.Tensor) -> torch.Tensor:
+                return decode_spatial_shard(decode, parts.vae.decoder, latents_BCTHW, self.unit_group)
 
-                def unit_decode(latents_BCTHW: torch.Tensor) -> torch.Tensor:
-                    return decode_spatial_shard(decode, parts.vae.decoder, latents_BCTHW, self.unit_group)
+            unit_decode = spatial_decode if self.decode_mode == "spatial_shard" and self.unit_size > 1 else decode
 
             video = denoise_decode_tile_parallel(
                 parts, tiles_NCTHW, settings, plan, num_frames, decode=unit_decode, group=self.group,
