@@ -47,6 +47,18 @@ LQ_NOISE_SCALE = 0.7
 StepCallback = Callable[[int, int], None]
 
 
+class StepCounter:
+    """Counts DiT steps and reports ``(done, total)`` to ``on_progress`` after each one."""
+
+    def __init__(self, total: int, on_progress: StepCallback | None) -> None:
+        self.total, self.on_progress, self.done = total, on_progress, 0
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total)
+
+
 @dataclasses.dataclass(kw_only=True)
 class SRSettings:
     """Per-request numerics of ``upscale_video`` (a subset of ``SRParams``)."""
@@ -217,14 +229,7 @@ def denoise_tiles(
 ) -> list[tuple[range, torch.Tensor]]:
     """Denoise all tiles, ``settings.tiles_batch_size`` per DiT call; ``[(tile indices, latents_BCTHW)]``."""
     chunks = chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
-    total = len(chunks) * settings.num_inference_steps
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None:
-            on_progress(done, total)
+    step = StepCounter(len(chunks) * settings.num_inference_steps, on_progress)
 
     results = []
     with on_device(parts.transformer):  # component offload: moved once for all chunks

@@ -239,14 +239,7 @@ def denoise_decode_tile_parallel(
     ranges = stages.chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
     serial = group_size(group) == unit_size or len(ranges) == 1  # one unit or one chunk: no gather
     own_chunks = len(ranges) if serial else len(unit_chunks(len(ranges), group, unit_size))
-    total = max(1, own_chunks * settings.num_inference_steps)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None:
-            on_progress(done, total)
+    step = stages.StepCounter(max(1, own_chunks * settings.num_inference_steps), on_progress)
 
     def produce(chunk: int) -> torch.Tensor:
         tiles = ranges[chunk]
