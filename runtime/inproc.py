@@ -11,7 +11,6 @@ from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import under_torchrun
 from tilecast.runtime.rank import start_rank
 from tilecast.runtime.server import RankZero
-from tilecast.runtime.worker import compute_loop, queue_source
 
 
 class InProcessServer:
@@ -34,11 +33,7 @@ class InProcessServer:
 
     def _compute(self) -> None:
         try:
-            compute_loop(
-                ranks=self.rt.ranks, pipeline=self.rt.pipeline, ctx=self.rt.ctx, beat=self.rt.beat,
-                next_plan=queue_source(self.zero.scheduler.work),
-                on_done=lambda seq, result: self.zero.scheduler.inbox.put(("done", seq, result)),
-            )
+            self.zero.compute()
         except BaseException as exc:  # noqa: BLE001 - surfaced through .error and the failed jobs
             self.error = exc
             self.zero.fail(f"compute loop failed: {exc}")

@@ -78,6 +78,15 @@ class RankZero:
         if self.http is not None:
             self.http.start()
 
+    def compute(self) -> None:
+        """Rank 0's compute loop: plans from the scheduler, outcomes back to it (until ``stop``)."""
+        rt = self.rt
+        compute_loop(
+            ranks=rt.ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
+            next_plan=queue_source(self.scheduler.work),
+            on_done=lambda seq, result: self.scheduler.inbox.put(("done", seq, result)),
+        )
+
     def stop_http(self) -> None:
         """Stop the HTTP front end (before the scheduler's socket goes away)."""
         if self.http is not None:
@@ -149,11 +158,7 @@ def serve(config: ServeConfig) -> int:
             f"dynamic (max {config.batching_max_size})" if zero.scheduler.batching.user_max > 1 else "off",
         )
         try:
-            compute_loop(
-                ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
-                next_plan=queue_source(zero.scheduler.work),
-                on_done=lambda seq, result: zero.scheduler.inbox.put(("done", seq, result)),
-            )
+            zero.compute()
         except Exception as exc:  # noqa: BLE001 - a broken collective ends the run
             zero.fail(f"a collective failed ({type(exc).__name__}: {exc}); a rank probably died")
         zero.watchdog.stop()
