@@ -35,7 +35,8 @@ class Job:
     uploads: dict[str, bytes]
     state: str = QUEUED
     created_at: float = dataclasses.field(default_factory=time.time)
-    enqueued_at: float = dataclasses.field(default_factory=time.monotonic)
+    batching_view: Any = None
+    """The batcher's ``QueuedRequest`` for this job, built once at submit (params never change)."""
     started_at: float | None = None
     finished_at: float | None = None
     error: str | None = None

@@ -159,10 +159,15 @@ class Scheduler(threading.Thread):
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid request: {exc}") from exc
         params = pipe.prepare(params, uploads)
-        return Job(
-            id=JobTable.new_id(), params=params, wire_params=msgspec.to_builtins(params),
-            uploads=uploads, enqueued_at=self.clock(),
+        job_id = JobTable.new_id()
+        width, height = getattr(params, "width", None), getattr(params, "height", None)
+        batching_view = QueuedRequest(
+            job_id=job_id, model=pipe.model_name, task=pipe.task, key=pipe.batch_key(params),
+            resolution=f"{width}x{height}" if width and height else None,
+            enqueued_at=self.clock(), family_max=pipe.max_batch_size,
         )
+        return Job(id=job_id, params=params, wire_params=msgspec.to_builtins(params), uploads=uploads,
+                   batching_view=batching_view)
 
     def _info(self, job: Job, req_id: int) -> P.JobInfo:
         return P.JobInfo(
@@ -241,17 +246,7 @@ class Scheduler(threading.Thread):
 
     # ------------------------------------------------------------------ dispatch
     def _queued_requests(self) -> list[QueuedRequest]:
-        pipe = self.pipeline
-        requests = []
-        for job in self.table.queue:
-            params = job.params
-            width, height = getattr(params, "width", None), getattr(params, "height", None)
-            requests.append(QueuedRequest(
-                job_id=job.id, model=pipe.model_name, task=pipe.task, key=pipe.batch_key(params),
-                resolution=f"{width}x{height}" if width and height else None,
-                enqueued_at=job.enqueued_at, family_max=pipe.max_batch_size,
-            ))
-        return requests
+        return [job.batching_view for job in self.table.queue]
 
     def _dispatch(self) -> None:
         if self._running or self.stopped.is_set():
