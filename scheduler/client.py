@@ -138,6 +138,18 @@ class _Base:
         with self._ids_lock:
             return next(self._ids)
 
+    def _wait_step(self, deadline: float | None, wait_long: bool) -> float:
+        """How long to wait for a reply before checking on the server."""
+        step = self.heartbeat_s if wait_long else self.dead_after_s
+        return step if deadline is None else min(step, max(0.0, deadline - time.monotonic()))
+
+    def _after_silence(self, deadline: float | None, timeout: float | None, step: float, wait_long: bool) -> None:
+        """A wait of ``step`` heard nothing: raise, or return to have the caller probe ``health``."""
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
+        if not wait_long:
+            raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+
     def _resolve(self, frames: list) -> None:
         """Hand a reply to the call waiting for its request id (undecodable replies are dropped)."""
         try:
@@ -218,16 +230,11 @@ class Client(_Base):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                step = self.heartbeat_s if wait_long else self.dead_after_s
-                if deadline is not None:
-                    step = min(step, max(0.0, deadline - time.monotonic()))
+                step = self._wait_step(deadline, wait_long)
                 try:
                     return future.result(timeout=step)
                 except FutureTimeout:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
-                    if not wait_long:
-                        raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+                    self._after_silence(deadline, timeout, step, wait_long)
                     self.health()  # raises ServerDeadError when the server is gone
         finally:
             self._pending.pop(req_id, None)
@@ -320,16 +327,11 @@ class AsyncClient(_Base):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                step = self.heartbeat_s if wait_long else self.dead_after_s
-                if deadline is not None:
-                    step = min(step, max(0.0, deadline - time.monotonic()))
+                step = self._wait_step(deadline, wait_long)
                 try:
                     return await asyncio.wait_for(asyncio.shield(future), step)
                 except asyncio.TimeoutError:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
-                    if not wait_long:
-                        raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+                    self._after_silence(deadline, timeout, step, wait_long)
                     await self.health()
         finally:
             self._pending.pop(req_id, None)
