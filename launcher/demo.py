@@ -30,15 +30,11 @@ console = Console()
 def describe(path: Path) -> str:
     with av.open(str(path)) as container:
         video = container.streams.video[0]
+        audio = container.streams.audio[0] if container.streams.audio else None
+        sound = f"audio {audio.codec_context.sample_rate} Hz {audio.codec_context.layout.name}" if audio else "silent"
         frames = video.frames or sum(1 for _ in container.decode(video=0))
-        text = f"{video.codec_context.width}x{video.codec_context.height}, {frames} frames @ {float(video.average_rate):.0f} fps"
-    with av.open(str(path)) as container:
-        if container.streams.audio:
-            audio = container.streams.audio[0]
-            text += f", audio {audio.codec_context.sample_rate} Hz {audio.codec_context.layout.name}"
-        else:
-            text += ", silent"
-    return text
+        size = f"{video.codec_context.width}x{video.codec_context.height}"
+        return f"{size}, {frames} frames @ {float(video.average_rate):.0f} fps, {sound}"
 
 
 def main(argv: list[str] | None = None) -> int:
