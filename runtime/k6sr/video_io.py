@@ -116,6 +116,12 @@ def _stream_rate(stream) -> Fraction:
     return Fraction(rate.numerator, rate.denominator)
 
 
+def _video_stream(container, name: str):
+    if not container.streams.video:
+        raise ValueError(f"{name} has no video stream")
+    return container.streams.video[0]
+
+
 def probe_video(source: VideoSource) -> VideoProbe:
     """Open ``source``, check it holds a decodable video stream, and describe it.
 
@@ -125,9 +131,7 @@ def probe_video(source: VideoSource) -> VideoProbe:
     name = _describe(source)
     try:
         with _open(source) as container:
-            if not container.streams.video:
-                raise ValueError(f"{name} has no video stream")
-            stream = container.streams.video[0]
+            stream = _video_stream(container, name)
             fps = _stream_fps(stream)
             has_audio = bool(container.streams.audio)
             first = next(container.decode(stream), None)
@@ -193,9 +197,7 @@ def read_clip(source: VideoSource) -> SourceClip:
     name = _describe(source)
     try:
         with _open(source) as container:
-            if not container.streams.video:
-                raise ValueError(f"{name} has no video stream")
-            stream = container.streams.video[0]
+            stream = _video_stream(container, name)
             source_fps = _stream_fps(stream)
             # The frames a long enough source would keep; the real selection is a prefix of it. Only
             # those are converted to RGB, and decoding stops one frame past the last of them (so
