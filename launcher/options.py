@@ -36,6 +36,7 @@ AttentionBackend = Annotated[Optional[str], typer.Option("--attention-backend", 
 ParallelTiling = Annotated[str, typer.Option("--vae-config.use-parallel-tiling", help="Whole-tile parallel decode: true|false.")]
 ParallelDecode = Annotated[str, typer.Option("--vae-config.use-parallel-decode", help="Spatial-shard decode: true|false.")]
 ParallelDecodeMode = Annotated[str, typer.Option("--vae-config.parallel-decode-mode", help="spatial_shard.")]
+FastDecode = Annotated[str, typer.Option("--vae-config.fast-decode", help="tilecast's channels-last VAE decode (true) or diffusers' own (false).")]
 AllowedVideoDir = Annotated[Optional[list[Path]], typer.Option("--allowed-video-dir", help="Directory whose files requests may name as video_path (repeatable).")]
 HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="A silent rank is dead after this many seconds.")]
 StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
@@ -62,7 +63,7 @@ def model_num_heads(model_path: str) -> int | None:
 def common_config(
     *, model_path: str, model_id: str | None, num_gpus: int, tp_size: int, ulysses_degree: int, ring_degree: int,
     device: str, dtype: str | None, attention_backend: str | None, parallel_tiling: str, parallel_decode: str,
-    parallel_decode_mode: str, allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
+    parallel_decode_mode: str, fast_decode: str = "true", allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
     stuck_timeout_s: float, output_dir: Path, layerwise_offload_components: str | None = None,
     cpu_offload_components: str | None = None, dit_offload_prefetch_size: int = 1,
     dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, **extra,
@@ -82,6 +83,7 @@ def common_config(
         use_parallel_tiling=parse_bool(parallel_tiling, "--vae-config.use-parallel-tiling"),
         use_parallel_decode=parse_bool(parallel_decode, "--vae-config.use-parallel-decode"),
         parallel_decode_mode=parallel_decode_mode,
+        fast_decode=parse_bool(fast_decode, "--vae-config.fast-decode"),
     )
     return ServeConfig(
         model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,

@@ -13,6 +13,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 PARALLEL_DECODE_MODES = ("spatial_shard",)
 
 
+def default_dtype(device: str) -> str:
+    """The compute dtype when ``--dtype`` is not given: bfloat16 on CUDA, float32 on CPU."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 @dataclasses.dataclass(kw_only=True)
 class VaeConfig:
     use_parallel_tiling: bool = False
@@ -21,6 +26,10 @@ class VaeConfig:
     """Split each tile's height across the decode group (halo exchange; not bit-exact)."""
     parallel_decode_mode: str = "spatial_shard"
     """How ``use_parallel_decode`` splits a tile; only ``spatial_shard`` exists."""
+    fast_decode: bool = True
+    """Decode with tilecast's channels-last K-VAE decoder (``runtime/k6sr/vae_decode.py``: diffusers'
+    weights and arithmetic, about 2x faster); false: diffusers' own ``Kandinsky6SRVAE.decode``.
+    Spatial-shard decode and a streamed or offloaded VAE always use diffusers' decode."""
 
     def __post_init__(self) -> None:
         if self.parallel_decode_mode not in PARALLEL_DECODE_MODES:
@@ -166,7 +175,7 @@ class ServeConfig:
 
     @property
     def resolved_dtype(self) -> str:
-        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        return self.dtype or default_dtype(self.device)
 
     @property
     def endpoint(self) -> str:

@@ -46,7 +46,7 @@ def make_case(num_tiles: int, batch: int):
     assert plan.num_tiles == num_tiles
     latents_NCTHW = torch.randn(num_tiles, 16, LATENT_FRAMES, 8, 8, generator=torch.Generator().manual_seed(7))
     chunks = [(tiles, latents_NCTHW[tiles.start : tiles.stop]) for tiles in chunk_starts(num_tiles, batch)]
-    parts = SimpleNamespace(vae=tiny_vae())
+    parts = SimpleNamespace(vae=tiny_vae(), decoder=None)
 
     def decode(latents_BCTHW):
         return decode_latents(parts, latents_BCTHW)

@@ -34,9 +34,11 @@ NUM_FRAMES = 9
 
 
 def make_ctx(cache: Path, rank: int = 0, world_size: int = 1, **options) -> RankContext:
+    """Diffusers' VAE decode everywhere: a placed VAE decodes with it, so the resident reference must too
+    (tilecast's decode is compared with it in tests/test_vae_decode.py)."""
     return RankContext(
         rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=cache / "out", options={"cache_dir": str(cache), **options},
+        output_dir=cache / "out", options={"cache_dir": str(cache), "vae": {"fast_decode": False}, **options},
     )
 
 
@@ -261,7 +263,7 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
         ctx = RankContext(
             rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=dist.group.WORLD,
             device_group=dist.group.WORLD, groups=groups, output_dir=Path(cache) / "out",
-            options={"cache_dir": cache, "ulysses_degree": ulysses, **options},
+            options={"cache_dir": cache, "ulysses_degree": ulysses, "vae": {"fast_decode": False}, **options},
         )
         return K6SRPipeline.load("tiny/k6sr", ctx)
 

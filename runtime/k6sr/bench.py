@@ -4,7 +4,8 @@ Both sides share the very same released-size networks (default diffusers configs
 random weights, bf16 with diffusers' fp32 modules kept fp32), the same input frames and the same
 noise (one tile chunk seeded like diffusers' generator). diffusers' attention is swapped for
 plain dense ``F.scaled_dot_product_attention`` (PyTorch picks its kernel), so both compute the
-same dense attention; tilecast uses its own attention entry point and fast paths.
+same dense attention; tilecast uses its own attention entry point, its channels-last VAE decode
+(``vae_decode.py``) and, with ``--compile``, compiled DiT blocks.
 
 Stage times come from synchronized wrappers around the shared modules (VAE encode/decode,
 latent upscaler, DiT), identical for both sides; "other" is the rest of the end-to-end time.
@@ -103,12 +104,13 @@ class StageTimer:
     def __init__(self, parts) -> None:
         self.times = {stage: 0.0 for stage in STAGES}
         self._restore: list[tuple[Any, str, Any]] = []
-        self._wrap(parts.vae, "encode", "encode")
-        self._wrap(parts.vae, "decode", "decode")
-        self._wrap(parts.latent_upscaler, "forward", "latent_upscale")
-        self._wrap(parts.transformer, "forward", "dit")
+        self.wrap(parts.vae, "encode", "encode")
+        self.wrap(parts.vae, "decode", "decode")
+        self.wrap(parts.latent_upscaler, "forward", "latent_upscale")
+        self.wrap(parts.transformer, "forward", "dit")
 
-    def _wrap(self, module, method: str, stage: str) -> None:
+    def wrap(self, module, method: str, stage: str) -> None:
+        """Time ``module.method`` as ``stage``."""
         original = getattr(module, method)
 
         def timed(*args, **kwargs):
@@ -195,37 +197,50 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats: int = 1, seed: int = 42,
                compile_blocks: bool = False) -> list[dict]:
-    """Run each workload on both sides; returns one row per (workload, side)."""
+    """Run each workload on both sides; returns one row per (workload, side).
+
+    diffusers runs every workload first, then tilecast installs its fast paths (its attention, its
+    channels-last VAE decode, which makes the decoder's weights channels-last in place, and with
+    ``compile_blocks`` the compiled DiT blocks) and runs them again."""
     from tilecast.runtime.k6sr.attention import install_dense_attention
+    from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
 
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench k6sr needs a CUDA GPU (the released-size model is ~1.5B parameters)")
     device = torch.device("cuda")
     parts = build_released(device, torch.bfloat16, seed=0)
     timer = StageTimer(parts)
-    rows = []
+    frames = {name: pattern_video(*WORKLOADS[name]) for name in workloads}
+    measured: dict[tuple[str, str], Measurement] = {}
     try:
-        for workload in workloads:
-            width, height, num_frames = WORKLOADS[workload]
-            frames = pattern_video(width, height, num_frames)
-            results = {}
-            if peer == "diffusers":
-                set_processors(parts.transformer, DenseSDPAProcessor)
-                results["diffusers"] = _measure("diffusers", workload, lambda: run_diffusers(parts, frames, seed), timer, repeats)
-            install_dense_attention(parts.transformer)
-            if compile_blocks:
-                parts.transformer.compile_repeated_blocks()
-            results["tilecast"] = _measure("tilecast", workload, lambda: run_tilecast(parts, frames, seed), timer, repeats)
-            for side, m in results.items():
-                row = {"workload": workload, "side": side, "e2e_s": m.e2e_s, **{f"{k}_s": v for k, v in m.stages_s.items()},
-                       "peak_reserved_gib": m.peak_reserved_gib, "peak_allocated_gib": m.peak_allocated_gib}
-                if side == "tilecast" and "diffusers" in results:
-                    ref = results["diffusers"]
-                    row["ratio_vs_diffusers"] = m.e2e_s / ref.e2e_s
-                    row["psnr_vs_diffusers_db"] = psnr(m.output, ref.output) if m.output.shape == ref.output.shape else None
-                rows.append(row)
-            del results
+        if peer == "diffusers":
+            set_processors(parts.transformer, DenseSDPAProcessor)
+            for name in workloads:
+                measured[name, "diffusers"] = _measure(
+                    "diffusers", name, lambda: run_diffusers(parts, frames[name], seed), timer, repeats)
+                torch.cuda.empty_cache()
+        install_dense_attention(parts.transformer)
+        parts.decoder = ChannelsLastDecoder(parts.vae)
+        timer.wrap(parts.decoder, "decode", "decode")
+        if compile_blocks:
+            parts.transformer.compile_repeated_blocks()
+        for name in workloads:
+            measured[name, "tilecast"] = _measure(
+                "tilecast", name, lambda: run_tilecast(parts, frames[name], seed), timer, repeats)
             torch.cuda.empty_cache()
     finally:
         timer.close()
+    rows = []
+    for name in workloads:
+        reference = measured.get((name, "diffusers"))
+        for side in ("diffusers", "tilecast"):
+            m = measured.get((name, side))
+            if m is None:
+                continue
+            row = {"workload": name, "side": side, "e2e_s": m.e2e_s, **{f"{k}_s": v for k, v in m.stages_s.items()},
+                   "peak_reserved_gib": m.peak_reserved_gib, "peak_allocated_gib": m.peak_allocated_gib}
+            if side == "tilecast" and reference is not None:
+                row["ratio_vs_diffusers"] = m.e2e_s / reference.e2e_s
+                row["psnr_vs_diffusers_db"] = psnr(m.output, reference.output) if m.output.shape == reference.output.shape else None
+            rows.append(row)
     return rows

@@ -49,6 +49,8 @@ class K6SRComponents:
     """Where the networks live."""
     dtype: torch.dtype
     """Compute dtype of the transformer (noise is drawn in it)."""
+    decoder: Any | None = None
+    """tilecast's decode of ``vae`` (``vae_decode.ChannelsLastDecoder``); None: diffusers' ``vae.decode``."""
 
     @property
     def spatial_factor(self) -> int:

@@ -13,7 +13,8 @@ Options read from ``RankContext.options`` at load:
 - ``model_id``: routing only (see ``runtime/registry.py``);
 - ``cache_dir``: where ``tiny/k6sr`` is generated (default ``$TILECAST_CACHE``).
 - ``vae`` (``--vae-config.*``), ``tile_parallel``: how tiles are spread over the ranks
-  (``tile_parallel.TileWork``).
+  (``tile_parallel.TileWork``) and whether the VAE decodes with tilecast's channels-last decoder
+  (``vae_decode.py``) or diffusers' own.
 - ``layerwise_offload_components``, ``cpu_offload_components``, ``dit_offload_prefetch_size``,
   ``dit_layerwise_resident_layers``, ``use_fsdp_inference``: weight placement
   (``runtime/placement.py``), applied last.
@@ -47,6 +48,7 @@ from tilecast.runtime.k6sr.params import (
 from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, make_plan, upscale_video, video_to_frames
 from tilecast.runtime.k6sr.tile_parallel import TileWork
 from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
 from tilecast.runtime.placement import AppliedPlacement, apply_placement
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
@@ -122,9 +124,19 @@ class K6SRPipeline(Pipeline):
                 apply_dit_parallel(parts.transformer, **groups, backend=options.get("attention_backend"))
         pipeline = cls(parts, ctx, model_name=model_path)
         pipeline.placement = apply_placement(parts, ctx, options)
+        if pipeline.fast_decode_applies():
+            parts.decoder = ChannelsLastDecoder(parts.vae)
         if options.get("compile"):
             parts.transformer.compile_repeated_blocks()  # last: after parallel hooks and placement
         return pipeline
+
+    def fast_decode_applies(self) -> bool:
+        """Whether tilecast's channels-last VAE decode can replace diffusers' here: asked for
+        (``--vae-config.fast-decode``, default on), no spatial-shard decode (it patches diffusers'
+        modules) and the VAE resident (streaming and offload hook diffusers' forwards)."""
+        wanted = (self.ctx.options.get("vae") or {}).get("fast_decode", True)
+        placed = self.placement is not None and "vae" in self.placement.config.offloaded
+        return bool(wanted) and self.tile_work.decode_mode != "spatial_shard" and not placed
 
     # --------------------------------------------------------------- prepare
     def prepare(self, params: msgspec.Struct, uploads: dict[str, bytes]) -> SRParams:

@@ -125,8 +125,12 @@ def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tens
 def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor) -> torch.Tensor:
     """Decode scaled latents to a float32 ``[-1, 1]`` video."""
     vae = parts.vae
+    latents_BCTHW = latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor
     with on_device(vae):
-        video = vae.decode(latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        if parts.decoder is not None:
+            video = parts.decoder.decode(latents_BCTHW)
+        else:
+            video = vae.decode(latents_BCTHW, return_dict=False)[0]
     return ((video.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
 
 

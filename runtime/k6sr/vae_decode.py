@@ -1,0 +1,201 @@
+"""tilecast's K-VAE decode: diffusers' weights and arithmetic, laid out for speed.
+
+diffusers' ``Kandinsky6SRVAE.decode`` spends most of a tile's time outside its convolutions.
+Measured on one H200 (bf16, one large-workload tile: 64 x 31 x 32 x 48 latents -> 121 frames of
+512 x 768): 3.73 s of GPU time, of which the convolutions take 1.14 s. The rest: every
+``Kandinsky6SRSpatialNorm3D`` nearest-upsamples the 64-channel latent ``zq`` to the full feature
+grid before two 1x1 convolutions (upsampling alone 16%), every causal convolution pads,
+concatenates and copies its input and its output (11%), cuDNN converts each NCDHW activation to
+channels-last and back (8%), and the fp32 RMS norm, modulation, SiLU and residual adds each make
+their own pass over memory (about 30%).
+
+``ChannelsLastDecoder`` computes the same function with:
+
+- **channels-last activations** (``x_BTHWC``, viewed as channels-last NCDHW for ``F.conv3d``):
+  cuDNN runs its NHWC kernels with no layout conversions (3x3x3 weights are made channels-last
+  in place once; a 1x1x1 convolution is an ``F.linear`` over the channel axis);
+- **``zq`` convolved at latent resolution**: ``conv_y``/``conv_b`` are per-pixel linear maps, so
+  they commute with nearest upsampling; the spatial upsampling then happens by broadcasting inside
+  the normalisation, never materialised (the temporal one is a gather on the small latent grid);
+- **one copy per causal convolution**: the carried frames are concatenated in front along time
+  (the outermost axis, a plain block copy) and the spatial zero padding is the convolution's own;
+- **one kernel per spatial norm** on CUDA: RMS norm, modulation and SiLU fused in Triton
+  (``kernels/spatial_norm.py``; elsewhere the same ops in PyTorch).
+
+Segments are diffusers' (the first segment one latent frame longer, ``SEGMENT_FRAMES`` pixel
+frames after it) and each causal convolution carries the same frames across them, so peak memory
+is bounded the same way and the result does not depend on the segmentation. Not bit-exact with
+diffusers (other kernels sum in other orders): float32 within 1e-5 of it on the tiny checkpoint
+(``tests/test_vae_decode.py``); bf16 on the GPU in ``tests/test_cuda_fast_paths.py``.
+
+Spatial-shard decode (``spatial_shard.py``) swaps the forwards of diffusers' modules and so keeps
+diffusers' decode; so does a VAE streamed layer by layer (its hooks sit on those forwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
+    SEGMENT_FRAMES,
+    Kandinsky6SRCausalConv3d,
+    Kandinsky6SRResnetBlock3D,
+    Kandinsky6SRSpatialNorm3D,
+    Kandinsky6SRUpsample,
+)
+from torch import nn
+
+from tilecast.kernels.spatial_norm import norm_modulate_silu
+
+logger = logging.getLogger(__name__)
+
+
+def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
+    """The channels-last NCDHW view of a ``BTHWC`` tensor (no copy)."""
+    return x_BTHWC.permute(0, 4, 1, 2, 3)
+
+
+def conv(x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``layer`` applied to a ``BTHWC`` tensor (``padding`` overrides the layer's own)."""
+    if layer.kernel_size == (1, 1, 1) and layer.stride == (1, 1, 1):
+        return F.linear(x_BTHWC, layer.weight.flatten(1), layer.bias)
+    y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), layer.weight, layer.bias, layer.stride,
+                       layer.padding if padding is None else padding)
+    return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
+
+
+def nearest_index(size_in: int, size_out: int, device) -> torch.Tensor:
+    """Source index of every output position of PyTorch's ``nearest`` resize (float32 scale)."""
+    scale = torch.tensor(size_in, dtype=torch.float32) / size_out
+    index = (torch.arange(size_out, dtype=torch.float32) * scale).floor().long().clamp(max=size_in - 1)
+    return index.to(device)
+
+
+def _repeat_factor(size_in: int, size_out: int) -> int | None:
+    """``r`` when nearest resizing ``size_in`` -> ``size_out`` repeats every element ``r`` times."""
+    if size_out % size_in:
+        return None
+    r = size_out // size_in
+    expected = torch.arange(size_out) // r
+    return r if torch.equal(nearest_index(size_in, size_out, "cpu"), expected) else None
+
+
+class ChannelsLastDecoder:
+    """Decodes latents with a ``Kandinsky6SRVAE``'s decoder weights (see the module docstring).
+
+    ``decode`` takes what ``Kandinsky6SRVAE.decode`` takes (latents already divided by the scaling
+    factor, ``BCTHW``) and returns what it returns (the ``BCTHW`` video tensor)."""
+
+    def __init__(self, vae: nn.Module) -> None:
+        self.vae = vae
+        self.decoder = vae.decoder
+        self.temporal_ratio = int(vae.temporal_compression_ratio)
+        self._carried: dict[int, torch.Tensor] = {}
+        self._check_modules()
+        self._channels_last_weights()
+
+    def _check_modules(self) -> None:
+        for name, module in self.decoder.named_modules():
+            if isinstance(module, Kandinsky6SRCausalConv3d) and module.time_stride != 1:
+                raise ValueError(f"ChannelsLastDecoder: decoder module {name} has temporal stride {module.time_stride}")
+
+    def _channels_last_weights(self) -> None:
+        """Make every 3x3x3 / 1x3x3 / 3x1x1 kernel channels-last in place (cuDNN's NHWC kernels take
+        them as they are; a contiguous weight would be converted on every call)."""
+        for module in self.decoder.modules():
+            if isinstance(module, nn.Conv3d) and module.kernel_size != (1, 1, 1):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def decode(self, z_BCTHW: torch.Tensor) -> torch.Tensor:
+        """Video ``BCTHW`` of latents ``z_BCTHW`` (divided by the scaling factor), in diffusers' segments."""
+        latent_segment = SEGMENT_FRAMES // self.temporal_ratio
+        num_latent_frames = z_BCTHW.shape[2]
+        if num_latent_frames == 1:
+            lengths = [1]
+        else:
+            lengths = [latent_segment] * ((num_latent_frames - 1) // latent_segment)
+            if (num_latent_frames - 1) % latent_segment:
+                lengths.append((num_latent_frames - 1) % latent_segment)
+            lengths[0] += 1
+        z_BTHWC = z_BCTHW.permute(0, 2, 3, 4, 1)
+        self._carried = {}
+        try:
+            segments = [
+                self._segment(part.contiguous(), first=index == 0)
+                for index, part in enumerate(torch.split(z_BTHWC, lengths, dim=1))
+            ]
+        finally:
+            self._carried = {}
+        return torch.cat(segments, dim=1).permute(0, 4, 1, 2, 3).contiguous()
+
+    # ------------------------------------------------------------------ layers
+    def _segment(self, z_BTHWC: torch.Tensor, *, first: bool) -> torch.Tensor:
+        decoder = self.decoder
+        h = self._causal_conv(decoder.conv_in, z_BTHWC, first)
+        h = self._resnet(decoder.mid.block_1, h, z_BTHWC, first)
+        h = self._resnet(decoder.mid.block_2, h, z_BTHWC, first)
+        for level in reversed(range(len(decoder.up))):
+            up = decoder.up[level]
+            for block in up.block:
+                h = self._resnet(block, h, z_BTHWC, first)
+            if hasattr(up, "upsample"):
+                h = self._upsample(up.upsample, h, first)
+        h = self._spatial_norm_silu(decoder.norm_out, h, z_BTHWC, first)
+        return self._causal_conv(decoder.conv_out, h, first)
+
+    def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
+        """Causal along time (the first segment repeats its first frame, later ones prepend the frames
+        the previous segment left), zero padded in space."""
+        pad = layer.time_pad
+        if pad:
+            head = x_BTHWC[:, :1].expand(-1, pad, -1, -1, -1) if first else self._carried[id(layer)]
+            x_BTHWC = torch.cat([head, x_BTHWC], dim=1)
+            self._carried[id(layer)] = x_BTHWC[:, -pad:].clone()
+        return conv(x_BTHWC, layer.conv, padding=(0, layer.height_pad, layer.width_pad))
+
+    def _spatial_norm_silu(
+        self, norm: Kandinsky6SRSpatialNorm3D, h_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool
+    ) -> torch.Tensor:
+        """``silu(norm(h, zq))`` with ``zq``'s 1x1 convolutions at latent resolution."""
+        _, frames, height, width, _ = h_BTHWC.shape
+        zq_frames, zq_height, zq_width = zq_BTHWC.shape[1:4]
+        if first:  # the first frame maps to zq's first frame; the rest resize zq[1:] (diffusers' rule)
+            rest = [] if zq_frames == 1 or frames == 1 else (1 + nearest_index(zq_frames - 1, frames - 1, "cpu")).tolist()
+            time_index = [0] + rest
+            if len(time_index) < frames:  # one latent frame: broadcast over the frames
+                time_index = [0] * frames
+        else:
+            time_index = nearest_index(zq_frames, frames, "cpu").tolist()
+        zq_BTHWC = zq_BTHWC[:, torch.tensor(time_index, device=zq_BTHWC.device)] if time_index != list(range(zq_frames)) else zq_BTHWC
+        rh, rw = _repeat_factor(zq_height, height), _repeat_factor(zq_width, width)
+        if rh is None or rw is None:  # not a plain repeat: gather the rows and columns (never at released sizes)
+            zq_BTHWC = zq_BTHWC[:, :, nearest_index(zq_height, height, zq_BTHWC.device)]
+            zq_BTHWC = zq_BTHWC[:, :, :, nearest_index(zq_width, width, zq_BTHWC.device)]
+            rh = rw = 1
+        y = conv(zq_BTHWC, norm.conv_y)
+        b = conv(zq_BTHWC, norm.conv_b)
+        rms = norm.norm_layer
+        return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw)
+
+    def _resnet(self, block: Kandinsky6SRResnetBlock3D, x_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool):
+        h = self._spatial_norm_silu(block.norm1, x_BTHWC, zq_BTHWC, first)
+        h = self._causal_conv(block.conv1, h, first)
+        h = self._spatial_norm_silu(block.norm2, h, zq_BTHWC, first)
+        h = self._causal_conv(block.conv2, h, first)
+        residual = conv(x_BTHWC, block.nin_shortcut) if block.in_channels != block.out_channels else x_BTHWC
+        return residual + h
+
+    def _upsample(self, upsample: Kandinsky6SRUpsample, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
+        if upsample.compress_time:  # T + 1 frames -> 2T + 1: repeat every frame, the first segment drops one copy
+            repeated = x_BTHWC.repeat_interleave(2, dim=1)
+            if first:
+                repeated = repeated[:, 1:]
+            x_BTHWC = self._causal_conv(upsample.temporal_conv, repeated, first) + repeated
+        batch, frames, height, width, channels = x_BTHWC.shape
+        x_BTHWC = x_BTHWC[:, :, :, None, :, None, :].expand(batch, frames, height, 2, width, 2, channels)
+        x_BTHWC = x_BTHWC.reshape(batch, frames, 2 * height, 2 * width, channels)
+        x_BTHWC = x_BTHWC + conv(x_BTHWC, upsample.spatial_conv)
+        return conv(x_BTHWC, upsample.linear)

@@ -1,0 +1,124 @@
+"""tilecast's channels-last K-VAE decode against diffusers' ``Kandinsky6SRVAE.decode``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import Kandinsky6SRVAE
+
+from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+from tilecast.kernels.spatial_norm import reference as norm_modulate_silu
+from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder, nearest_index
+
+
+def make_vae(seed: int = 0, **overrides) -> Kandinsky6SRVAE:
+    torch.manual_seed(seed)
+    vae = Kandinsky6SRVAE(**{**VAE_CONFIG, **overrides}).eval().requires_grad_(False)
+    with torch.no_grad():  # random norm gains, so a wrong gamma/scale order cannot hide behind ones
+        for name, param in vae.named_parameters():
+            if name.endswith("gamma"):
+                param.uniform_(0.5, 1.5)
+    return vae
+
+
+@pytest.mark.parametrize(
+    "latent_frames, height, width",
+    [
+        (1, 3, 4),    # one latent frame: one segment, one pixel frame
+        (5, 2, 3),    # exactly the first segment
+        (11, 3, 5),   # segments of 5, 4 and 2 latent frames: causal frames carried twice
+        (8, 4, 2),    # a short last segment of 3
+    ],
+)
+def test_matches_diffusers_decode_float32(latent_frames, height, width):
+    vae = make_vae()
+    z = torch.randn(1, vae.config.latent_channels, latent_frames, height, width)
+    with torch.no_grad():
+        reference = vae.decode(z, return_dict=False)[0]
+    decoded = ChannelsLastDecoder(vae).decode(z)
+    assert decoded.shape == reference.shape == (1, 3, 1 + 4 * (latent_frames - 1), 16 * height, 16 * width)
+    assert decoded.is_contiguous()
+    torch.testing.assert_close(decoded, reference, rtol=0, atol=1e-5)
+
+
+def test_batch_of_tiles_and_reuse():
+    """A chunk of several tiles decodes like each tile alone, and a second call starts fresh."""
+    vae = make_vae(seed=1)
+    z = torch.randn(2, vae.config.latent_channels, 6, 2, 2)
+    with torch.no_grad():
+        reference = vae.decode(z, return_dict=False)[0]
+    decoder = ChannelsLastDecoder(vae)
+    first = decoder.decode(z)
+    again = decoder.decode(z)
+    torch.testing.assert_close(first, reference, rtol=0, atol=1e-5)
+    assert torch.equal(first, again)
+
+
+def test_diffusers_decode_unchanged_after_weights_go_channels_last():
+    vae = make_vae(seed=2)
+    z = torch.randn(1, vae.config.latent_channels, 5, 2, 2)
+    with torch.no_grad():
+        before = vae.decode(z, return_dict=False)[0]
+        ChannelsLastDecoder(vae)
+        after = vae.decode(z, return_dict=False)[0]
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+def test_nearest_index_is_pytorchs():
+    for size_in, size_out in [(4, 16), (5, 9), (3, 7), (31, 121), (2, 2), (6, 4)]:
+        x = torch.arange(size_in, dtype=torch.float32)[None, None]
+        expected = torch.nn.functional.interpolate(x, size=size_out, mode="nearest")[0, 0].long()
+        assert torch.equal(nearest_index(size_in, size_out, "cpu"), expected), (size_in, size_out)
+
+
+def test_norm_modulate_silu_broadcast_equals_materialised_upsample():
+    torch.manual_seed(3)
+    h = torch.randn(1, 3, 8, 12, 16)
+    y, b = torch.randn(1, 3, 2, 3, 16), torch.randn(1, 3, 2, 3, 16)
+    gamma = torch.rand(16) + 0.5
+    got = norm_modulate_silu(h, 4.0, gamma, y, b, 4, 4)
+    up = lambda t: t.repeat_interleave(4, dim=2).repeat_interleave(4, dim=3)  # noqa: E731
+    expected = torch.nn.functional.silu(torch.nn.functional.normalize(h, dim=-1) * 4.0 * gamma * up(y) + up(b))
+    torch.testing.assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------- in the pipeline
+
+def _load(cache, **options):
+    from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+    from tilecast.runtime.pipeline import RankContext
+
+    ctx = RankContext(
+        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
+        output_dir=cache / "out", options={"cache_dir": str(cache), **options},
+    )
+    return K6SRPipeline.load("tiny/k6sr", ctx)
+
+
+def _upscale(pipe) -> torch.Tensor:
+    from tests.test_placement import clip
+    from tilecast.runtime.k6sr.params import SRParams
+
+    return pipe.upscale_frames(clip(), SRParams(sr_resolution_scale=2))[0]
+
+
+def test_pipeline_decodes_with_it_by_default_and_matches_diffusers(tiny_cache):
+    fast = _load(tiny_cache)
+    reference = _load(tiny_cache, vae={"fast_decode": False})
+    assert isinstance(fast.parts.decoder, ChannelsLastDecoder)
+    assert reference.parts.decoder is None
+    torch.testing.assert_close(_upscale(fast), _upscale(reference), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    dict(layerwise_offload_components="vae"),
+    dict(cpu_offload_components="vae"),
+])
+def test_placed_vae_keeps_diffusers_decode(tiny_cache, options):
+    assert _load(tiny_cache, **options).parts.decoder is None
+
+
+def test_spatial_shard_keeps_diffusers_decode(tiny_cache):
+    pipe = _load(tiny_cache)
+    pipe.tile_work.decode_mode = "spatial_shard"  # what a multi-rank --vae-config.use-parallel-decode selects
+    assert not pipe.fast_decode_applies()
