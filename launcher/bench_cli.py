@@ -79,26 +79,32 @@ def attention(
 
 @bench_app.command("batching")
 def batching(
-    model_path: Annotated[str, typer.Option("--model-path")] = "tiny/flux",
+    model_path: Annotated[str, typer.Option("--model-path", help="tiny/flux (CPU), random/flux (released size, GPU), ...")] = "tiny/flux",
     num_clients: Annotated[int, typer.Option("--num-clients", help="Concurrent clients.")] = 8,
     requests_per_client: Annotated[int, typer.Option("--requests-per-client")] = 3,
     width: Annotated[int, typer.Option("--width")] = 64,
     height: Annotated[int, typer.Option("--height")] = 64,
     steps: Annotated[int, typer.Option("--steps")] = 2,
     device: Annotated[str, typer.Option("--device")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Passed to the servers (and the peer): float32 | bfloat16 | float16.")] = None,
     num_gpus: Annotated[int, typer.Option("--num-gpus")] = 1,
-    batching_max_size: Annotated[int, typer.Option("--batching-max-size")] = 8,
+    batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")] = 8,
     batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms")] = 20.0,
+    peer: Annotated[str, typer.Option("--peer", help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.")] = "none",
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, in one run."""
     from tilecast.runtime.families.bench_batching import run_batching_bench
 
-    result = run_batching_bench(
-        model_path, num_clients=num_clients, requests_per_client=requests_per_client, width=width, height=height,
-        steps=steps, device=device, num_gpus=num_gpus, batching_max_size=batching_max_size,
-        batching_delay_ms=batching_delay_ms, print_table=True,
-    )
+    try:  # a ValueError names the bad option
+        result = run_batching_bench(
+            model_path, num_clients=num_clients, requests_per_client=requests_per_client, width=width,
+            height=height, steps=steps, device=device, num_gpus=num_gpus, dtype=dtype,
+            peer=None if peer == "none" else peer, batching_max_size=batching_max_size,
+            batching_delay_ms=batching_delay_ms, print_table=True,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2, default=str))
 

@@ -1,7 +1,7 @@
 """Which pipeline serves a ``--model-path``.
 
-Built-in names (``tiny/k6sr``, ``tiny/flux``, ``test/allreduce``, ...) map straight to a
-pipeline class. A local diffusers directory is routed by its ``model_index.json``
+Built-in names (``tiny/k6sr``, ``tiny/flux``, ``random/flux``, ``test/allreduce``, ...) map
+straight to a pipeline class. A local diffusers directory is routed by its ``model_index.json``
 ``_class_name``, or by ``--model-id`` when the directory was renamed.
 """
 
@@ -21,6 +21,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "test/allreduce": "tilecast.runtime.probe:AllReducePipeline",
     "tiny/k6sr": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
     "tiny/flux": "tilecast.runtime.families.flux:FluxT2IPipeline",
+    "random/flux": "tilecast.runtime.families.released:RandomFluxT2IPipeline",
     "tiny/qwen-image": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
     "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
     "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:WanT2VPipeline",

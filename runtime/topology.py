@@ -267,7 +267,7 @@ def num_heads_from_checkpoint(model_path: str | Path) -> int | None:
     DiTs), else ``model_dim / sum(axes_dims)`` (Kandinsky 6 SR, whose head dim is the sum of its
     RoPE axes; diffusers' defaults 1792 and (16, 24, 24) give 28 heads). ``tiny/k6sr`` has
     ``tilecast.runtime.k6sr.tiny.TINY_NUM_HEADS`` (12). Other built-in names (``tiny/...``,
-    ``test/...``) give None: unknown, so the head rule is skipped. ``ValueError`` when a
+    ``random/...``, ``test/...``) give None: unknown, so the head rule is skipped. ``ValueError`` when a
     directory's count cannot be told.
     """
     name = str(model_path)
@@ -277,7 +277,7 @@ def num_heads_from_checkpoint(model_path: str | Path) -> int | None:
         except ImportError:
             return _TINY_K6SR_FALLBACK_HEADS
         return int(getattr(tiny, "TINY_NUM_HEADS", _TINY_K6SR_FALLBACK_HEADS))
-    if name.startswith(("tiny/", "test/")) and not Path(model_path).exists():
+    if name.startswith(("tiny/", "random/", "test/")) and not Path(model_path).exists():
         logger.debug("no head count known for built-in model %s", name)
         return None
     path = Path(model_path)

@@ -4,12 +4,14 @@
 built-in name          family          task    diffusers pipeline
 =====================  ==============  ======  =====================================
 ``tiny/flux``          flux            t2i     ``FluxPipeline`` (FLUX.1-dev)
+``random/flux``        flux            t2i     ``FluxPipeline`` (FLUX.1-dev, released size, random weights)
 ``tiny/qwen-image``    qwen-image      t2i     ``QwenImagePipeline``
 ``tiny/z-image-turbo`` z-image-turbo   t2i     ``ZImagePipeline`` (Z-Image-Turbo)
 ``tiny/wan2.1-t2v``    wan2.1-t2v      t2v     ``WanPipeline`` (Wan2.1 T2V 1.3B)
 =====================  ==============  ======  =====================================
 
 Shared request fields, the batch execution and the tiny-checkpoint machinery live in
-``families.common``; offline tokenizers in ``families.tokenizers``; ``families.bench_batching``
-measures singleton against dynamic-batched serving.
+``families.common``; offline tokenizers in ``families.tokenizers``; released-size random models
+(benchmarks) in ``families.released``; ``families.bench_batching`` measures singleton against
+dynamic-batched serving, ``families.bench_peer`` the same traffic on diffusers alone.
 """

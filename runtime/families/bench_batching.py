@@ -11,12 +11,16 @@ far slower than steady state, which would otherwise penalise whichever server go
 Reported per server: throughput (completed requests per second of wall time), p50/p95 latency
 (nearest rank), failures and the server's own batching counters over the measured requests; plus the dynamic/singleton
 throughput ratio and latency ratios. Printed as a rich table; returned as a dict.
+
+With ``peer="diffusers"`` the same traffic first runs on diffusers' own pipeline in this process
+(``families.bench_peer``: one request at a time, and offline with the whole batch), and the
+throughput ratios against it are added (keys ``peer_one_at_a_time``, ``peer_offline_batch`` and
+``PEER_RATIOS``). ``dtype`` reaches the servers as ``--dtype`` and the peer as its dtype.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import socket
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tilecast.client import Client
+from tilecast.scheduler.batching_metrics import percentile_nearest_rank
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ REQUEST_TIMEOUT_S = 600.0
 """How long one request may take before the bench gives up on it."""
 WARMUP_SEQUENTIAL = 3
 """Requests sent one at a time before measuring (then one concurrent wave of ``num_clients``)."""
+PEERS = ("diffusers",)
+"""What ``peer`` may name (``families.bench_peer``)."""
 
 
 def _free_port() -> int:
@@ -46,11 +53,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _percentile(values: Sequence[float], pct: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[max(1, math.ceil(pct * len(ordered) / 100.0)) - 1]
+def bench_request(client: int, request: int) -> dict[str, Any]:
+    """Prompt and seed of a measured request: distinct for every client and request (peer included)."""
+    return {"prompt": f"bench client {client} request {request}", "seed": client * 1000 + request}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
 
 
 class _Server:
@@ -126,10 +135,7 @@ def _drive(endpoint: str, *, num_clients: int, requests_per_client: int, fields:
             for k in range(requests_per_client):
                 began = time.perf_counter()
                 try:
-                    client.generate(
-                        prompt=f"bench client {index} request {k}", seed=index * 1000 + k,
-                        timeout=REQUEST_TIMEOUT_S, **fields,
-                    )
+                    client.generate(**bench_request(index, k), timeout=REQUEST_TIMEOUT_S, **fields)
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     with lock:
                         errors.append(f"{type(exc).__name__}: {exc}")
@@ -153,8 +159,8 @@ def _drive(endpoint: str, *, num_clients: int, requests_per_client: int, fields:
         "first_error": errors[0] if errors else None,
         "wall_s": wall_s,
         "throughput_rps": len(latencies) / wall_s if wall_s > 0 else 0.0,
-        "p50_ms": _percentile(latencies, 50.0) * 1000.0,
-        "p95_ms": _percentile(latencies, 95.0) * 1000.0,
+        "p50_ms": percentile_nearest_rank(latencies, 50.0) * 1000.0,
+        "p95_ms": percentile_nearest_rank(latencies, 95.0) * 1000.0,
         "avg_batch_size": requests / dispatches if dispatches else 0.0,
         "merged_rate": round(merged) / dispatches if dispatches else 0.0,
         "dispatches": dispatches,
@@ -171,17 +177,33 @@ def run_batching_bench(
     steps: int,
     device: str,
     num_gpus: int = 1,
+    dtype: str | None = None,
+    peer: str | None = None,
     extra_serve_args: Sequence[str] = (),
     batching_max_size: int = 8,
     batching_delay_ms: float = 20.0,
     print_table: bool = True,
 ) -> dict[str, Any]:
-    """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc."""
+    """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc.
+
+    ``dtype`` is passed to both servers as ``--dtype`` (their default when None). ``peer="diffusers"``
+    first measures the same traffic on diffusers alone in this process (``families.bench_peer``)
+    and adds its rows and the ratios against it.
+    """
+    from tilecast.runtime.config import DTYPES, default_dtype
+
     for name, value in (("num_clients", num_clients), ("requests_per_client", requests_per_client),
                         ("steps", steps), ("num_gpus", num_gpus), ("batching_max_size", batching_max_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if peer is not None and peer not in PEERS:
+        raise ValueError(f"--peer must be one of {', '.join(PEERS)} or none, got {peer!r}")
+    if peer is not None and num_gpus != 1:
+        raise ValueError(f"--peer {peer} runs on one device; use --num-gpus 1, got {num_gpus}")
     fields = {"width": width, "height": height, "num_inference_steps": steps}
+    dtype_args = ["--dtype", dtype] if dtype else []
     modes = {
         "singleton": ["--batching-max-size", "1"],
         "dynamic": [
@@ -192,12 +214,21 @@ def run_batching_bench(
     results: dict[str, Any] = {
         "model": model_path, "num_clients": num_clients, "requests_per_client": requests_per_client,
         "width": width, "height": height, "steps": steps, "device": device, "num_gpus": num_gpus,
+        "dtype": dtype or default_dtype(device), "peer": peer,
     }
+    if peer is not None:
+        from tilecast.runtime.families.bench_peer import measure_diffusers_peer
+
+        peer_modes = measure_diffusers_peer(
+            model_path, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields,
+            device=device, dtype=results["dtype"],
+        )
+        results.update({f"peer_{mode}": row for mode, row in peer_modes.items()})
     with tempfile.TemporaryDirectory(prefix="tilecast-bench-") as tmp:
         for mode, mode_args in modes.items():
             args = [
                 "--model-path", model_path, "--num-gpus", str(num_gpus), "--device", device,
-                "--output-dir", str(Path(tmp, mode)), *mode_args, *extra_serve_args,
+                "--output-dir", str(Path(tmp, mode)), *dtype_args, *mode_args, *extra_serve_args,
             ]
             server = _Server(args, Path(tmp, f"{mode}.log"))
             try:
@@ -208,14 +239,25 @@ def run_batching_bench(
             finally:
                 server.stop()
     single, dynamic = results["singleton"], results["dynamic"]
-    results["throughput_ratio"] = (
-        dynamic["throughput_rps"] / single["throughput_rps"] if single["throughput_rps"] else float("nan")
-    )
-    results["p50_ratio"] = dynamic["p50_ms"] / single["p50_ms"] if single["p50_ms"] else float("nan")
-    results["p95_ratio"] = dynamic["p95_ms"] / single["p95_ms"] if single["p95_ms"] else float("nan")
+    results["throughput_ratio"] = _ratio(dynamic["throughput_rps"], single["throughput_rps"])
+    results["p50_ratio"] = _ratio(dynamic["p50_ms"], single["p50_ms"])
+    results["p95_ratio"] = _ratio(dynamic["p95_ms"], single["p95_ms"])
+    if peer is not None:
+        one, batch = results["peer_one_at_a_time"], results["peer_offline_batch"]
+        results["dynamic_vs_peer_offline_batch"] = _ratio(dynamic["throughput_rps"], batch["throughput_rps"])
+        results["dynamic_vs_peer_one_at_a_time"] = _ratio(dynamic["throughput_rps"], one["throughput_rps"])
+        results["singleton_vs_peer_one_at_a_time"] = _ratio(single["throughput_rps"], one["throughput_rps"])
     if print_table:
         print_bench_table(results)
     return results
+
+
+PEER_RATIOS = {
+    "dynamic_vs_peer_offline_batch": "ratio dynamic / {peer} offline batch",
+    "dynamic_vs_peer_one_at_a_time": "ratio dynamic / {peer} one at a time",
+    "singleton_vs_peer_one_at_a_time": "ratio singleton / {peer} one at a time",
+}
+"""Throughput ratios against the peer: result key -> table row label."""
 
 
 def print_bench_table(results: dict[str, Any]) -> None:
@@ -225,10 +267,17 @@ def print_bench_table(results: dict[str, Any]) -> None:
     table = Table(title=(
         f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
         f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
-        f"{results['num_gpus']} x {results['device']}"
+        f"{results['num_gpus']} x {results['device']}, {results['dtype']}"
     ))
     for column in ("mode", "requests", "errors", "throughput (req/s)", "p50 (ms)", "p95 (ms)", "avg batch", "merged"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
+        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
+    for mode in ("one_at_a_time", "offline_batch"):
+        row = results.get(f"peer_{mode}")
+        if row is not None:
+            table.add_row(
+                f"{results['peer']} {mode.replace('_', ' ')}", str(row["requests"]), "",
+                f"{row['throughput_rps']:.3f}", f"{row['p50_ms']:.1f}", "", f"{row['batch_size']:.2f}", "",
+            )
     for mode in ("singleton", "dynamic"):
         row = results[mode]
         table.add_row(
@@ -236,7 +285,10 @@ def print_bench_table(results: dict[str, Any]) -> None:
             f"{row['p95_ms']:.1f}", f"{row['avg_batch_size']:.2f}", f"{row['merged_rate'] * 100:.0f}%",
         )
     table.add_row(
-        "ratio", "", "", f"{results['throughput_ratio']:.2f}x", f"{results['p50_ratio']:.2f}x",
+        "ratio dynamic / singleton", "", "", f"{results['throughput_ratio']:.2f}x", f"{results['p50_ratio']:.2f}x",
         f"{results['p95_ratio']:.2f}x", "", "",
     )
+    for key, label in PEER_RATIOS.items():
+        if key in results:
+            table.add_row(label.format(peer=results["peer"]), "", "", f"{results[key]:.2f}x", "", "", "", "")
     Console(width=max(120, Console().width)).print(table)

@@ -1,61 +1,107 @@
-"""FLUX.1-dev text-to-image (``FluxPipeline``) and its built-in tiny checkpoint ``tiny/flux``.
+"""FLUX.1-dev text-to-image (``FluxPipeline``): its network configs and the built-in tiny checkpoint ``tiny/flux``.
 
-The tiny checkpoint keeps the real model's structure: a 16-channel, 8x ``AutoencoderKL`` without
-quant convs, a guidance-distilled ``FluxTransformer2DModel`` on 2x2-packed latents (64 input
-channels), a CLIP text encoder for the pooled embedding and a T5 encoder for the sequence, and
-the dynamic-shift flow-matching Euler scheduler. FLUX.1-dev is guidance-distilled: ``guidance_scale``
-is fed to the transformer as an embedding, no classifier-free guidance runs, so a request takes
-no ``negative_prompt``.
+``RELEASED_CONFIGS`` are FLUX.1-dev's component configs at the released size; ``build_flux`` turns
+a set of configs into a ``FluxPipeline``. ``tiny/flux`` is the same structure with every size
+shrunk (``TINY_OVERRIDES``): a 16-channel, 8x ``AutoencoderKL`` without quant convs, a
+guidance-distilled ``FluxTransformer2DModel`` on 2x2-packed latents (64 input channels), a CLIP
+text encoder for the pooled embedding and a T5 encoder for the sequence, and the dynamic-shift
+flow-matching Euler scheduler. The released size with random weights is ``random/flux``
+(``families.released``). FLUX.1-dev is guidance-distilled: ``guidance_scale`` is fed to the
+transformer as an embedding, no classifier-free guidance runs, so a request takes no
+``negative_prompt``.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from tilecast.runtime.families import tokenizers
 from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
+RELEASED_CONFIGS: dict[str, dict] = {
+    # CLIP ViT-L/14 text tower (vocab and special ids come from the offline tokenizer)
+    "text_encoder": dict(
+        hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12, num_attention_heads=12,
+        max_position_embeddings=77,
+    ),
+    # T5-v1.1-XXL encoder (vocab from the offline tokenizer; inference only, so no dropout)
+    "text_encoder_2": dict(
+        d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, relative_attention_num_buckets=32,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0,
+    ),
+    "transformer": dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    "scheduler": dict(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    ),
+}
+"""FLUX.1-dev's component configs (keyword arguments of each class), by ``FluxPipeline`` component name."""
+
 TEXT_DIM = 32
 """Hidden size of both tiny text encoders (the transformer's joint and pooled dims)."""
 
+TINY_OVERRIDES: dict[str, dict] = {
+    "text_encoder": dict(hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM, num_hidden_layers=1,
+                         num_attention_heads=2),
+    "text_encoder_2": dict(d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                           relative_attention_num_buckets=8),
+    "transformer": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                        joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6)),
+    "vae": dict(block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8, sample_size=64),
+}
+"""What ``tiny/flux`` changes in ``RELEASED_CONFIGS``: every size, nothing structural."""
 
-def build_tiny_flux():
-    """The tiny ``FluxPipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+
+def flux_configs(overrides: dict[str, dict] | None = None) -> dict[str, dict]:
+    """``RELEASED_CONFIGS`` with ``overrides`` merged in per component (``ValueError`` on an unknown component)."""
+    overrides = overrides or {}
+    unknown = sorted(set(overrides) - set(RELEASED_CONFIGS))
+    if unknown:
+        raise ValueError(f"unknown FLUX component(s) {unknown}; known: {', '.join(RELEASED_CONFIGS)}")
+    return {name: {**config, **overrides.get(name, {})} for name, config in RELEASED_CONFIGS.items()}
+
+
+def build_flux(configs: dict[str, dict], finish: Callable = lambda module: module.eval()):
+    """A ``FluxPipeline`` with freshly initialised weights from ``configs`` (``flux_configs``' shape).
+
+    Weights come from the global torch RNG: call under a seed. ``finish`` is applied to each
+    network right after it is built (default ``eval()``; the random builder also casts there, so
+    at most one network at a time exists in float32).
+    """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     clip_tok = tokenizers.clip_tokenizer()
     t5_tok = tokenizers.t5_tokenizer()
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=tokenizers.CLIP_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM,
-        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
-        bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
-    ))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=tokenizers.T5_VOCAB_SIZE, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
-    ))
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
-    )
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
-    )
+    clip = finish(CLIPTextModel(CLIPTextConfig(
+        vocab_size=tokenizers.CLIP_VOCAB_SIZE, bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+        pad_token_id=clip_tok.pad_token_id, **configs["text_encoder"],
+    )))
+    t5 = finish(T5EncoderModel(T5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **configs["text_encoder_2"])))
+    transformer = finish(FluxTransformer2DModel(**configs["transformer"]))
+    vae = finish(AutoencoderKL(**configs["vae"]))
     return FluxPipeline(
-        scheduler=scheduler, vae=vae.eval(), text_encoder=clip.eval(), tokenizer=clip_tok,
-        text_encoder_2=t5.eval(), tokenizer_2=t5_tok, transformer=transformer.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), vae=vae, text_encoder=clip,
+        tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer,
     )
+
+
+def build_tiny_flux():
+    """The tiny ``FluxPipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    return build_flux(flux_configs(TINY_OVERRIDES))
 
 
 TINY_FLUX = TinyCheckpoint(name="tiny-flux-v1", seed=20250701, build=build_tiny_flux)
