@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Collection
 
 DTYPES = ("float32", "bfloat16", "float16")
 PARALLEL_DECODE_MODES = ("spatial_shard",)
@@ -196,3 +197,33 @@ class ServeConfig:
             "compile": self.compile,
             **self.placement.as_options(),
         }
+
+
+_SWITCHES = {"tile_parallel", "compile"}
+"""Options given as bare on/off flags (no value)."""
+_FLAG_NAMES = {"allowed_video_dirs": "--allowed-video-dir", "vae": "--vae-config"}
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+def ignored_settings(options: dict, honoured: Collection[str]) -> list[str]:
+    """The settings in ``options`` (``ServeConfig.pipeline_options``) that differ from a plain
+    ``tilecast serve`` and that a pipeline reading only the option keys ``honoured`` would ignore,
+    named as their flags (``--ulysses-degree 2``, ``--vae-config.fast-decode false``, ``--compile``)."""
+    notes = []
+    for key, default in ServeConfig().pipeline_options().items():
+        if key in honoured or key not in options:
+            continue
+        given, flag = options[key], _FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+        if isinstance(default, dict):
+            notes += [f"{flag}.{sub.replace('_', '-')} {_flag_value(value)}"
+                      for sub, value in (given or {}).items() if sub in default and value != default[sub]]
+        elif given != default:
+            notes.append(flag if key in _SWITCHES else f"{flag} {_flag_value(given)}")
+    return notes

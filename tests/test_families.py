@@ -195,13 +195,23 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
 
 
-def test_settings_only_k6sr_implements_are_named_as_ignored():
-    from tilecast.runtime.families.common import ignored_settings
+def test_settings_the_families_do_not_read_are_named_as_ignored():
+    from tilecast.runtime.config import ServeConfig, ignored_settings
+    from tilecast.runtime.families.common import DiffusersBatchPipeline
 
+    honoured = DiffusersBatchPipeline.honoured_options
     options = {"tp_size": 1, "ulysses_degree": 2, "ring_degree": 1, "vae": {"use_parallel_tiling": True},
                "tile_parallel": True, "layerwise_offload_components": "all", "use_fsdp_inference": True}
-    assert ignored_settings(options) == [
+    assert ignored_settings(options, honoured) == [
         "--ulysses-degree 2", "--vae-config.use-parallel-tiling true", "--tile-parallel",
         "--layerwise-offload-components all", "--use-fsdp-inference true",
     ]
-    assert ignored_settings({"vae": {}}) == []
+    assert ignored_settings({"vae": {}}, honoured) == []
+    # Every server option is covered, not a hand-kept list: a setting added later is caught too.
+    config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, dtype="bfloat16",
+                         allowed_video_dirs=("/data",))
+    config.vae.fast_decode = False
+    assert ignored_settings(config.pipeline_options(), honoured) == [
+        "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false", "--compile",
+    ]
+    assert ignored_settings(config.pipeline_options(), set(config.pipeline_options())) == []

@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from tilecast.runtime.cache import ensure_model_dir
+from tilecast.runtime.config import ignored_settings
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
 logger = logging.getLogger(__name__)
@@ -188,25 +189,6 @@ def output_path(ctx: RankContext, item: WorkItem, family: str, fmt: str) -> Path
 
 
 # ------------------------------------------------------------------------------------ pipeline
-def ignored_settings(options: dict) -> list[str]:
-    """Server settings that only Kandinsky 6 SR implements, named as their flags."""
-    ignored = [f"--{name.replace('_', '-')} {options[name]}" for name in ("tp_size", "ulysses_degree", "ring_degree")
-               if options.get(name, 1) > 1]
-    vae = options.get("vae") or {}
-    ignored += [f"--vae-config.{name.replace('_', '-')} true" for name in ("use_parallel_tiling", "use_parallel_decode")
-                if vae.get(name)]
-    if options.get("tile_parallel"):
-        ignored.append("--tile-parallel")
-    if options.get("compile"):
-        ignored.append("--compile")
-    for name in ("layerwise_offload_components", "cpu_offload_components"):
-        if options.get(name):
-            ignored.append(f"--{name.replace('_', '-')} {options[name]}")
-    if options.get("use_fsdp_inference"):
-        ignored.append("--use-fsdp-inference true")
-    return ignored
-
-
 class DiffusersBatchPipeline(Pipeline):
     """A batchable T2I/T2V pipeline over a diffusers pipeline object (see the module docstring).
 
@@ -228,6 +210,9 @@ class DiffusersBatchPipeline(Pipeline):
     max_sequence_length: ClassVar[int] = 128
     """Text tokens per prompt passed to diffusers (the tiny encoders need few)."""
     max_batch_size: ClassVar[int] = 16
+    honoured_options: ClassVar[frozenset[str]] = frozenset({"model_id", "dtype"})
+    """The server options these families read; any other one set away from its default is warned
+    about at load as ignored (``config.ignored_settings``)."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
 
@@ -260,8 +245,9 @@ class DiffusersBatchPipeline(Pipeline):
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
         pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.options.get("dtype") or "float32"))
         if ctx.rank == 0:
-            for setting in ignored_settings(ctx.options):
-                logger.warning("%s: %s is ignored (this family runs replicated on every rank)", cls.family, setting)
+            for setting in ignored_settings(ctx.options, cls.honoured_options):
+                logger.warning("%s: %s is ignored (this family runs diffusers' pipeline replicated on every rank)",
+                               cls.family, setting)
         return cls(pipe, ctx)
 
     # ---------------------------------------------------------------- requests
