@@ -122,3 +122,19 @@ def test_spatial_shard_keeps_diffusers_decode(tiny_cache):
     pipe = _load(tiny_cache)
     pipe.tile_work.decode_mode = "spatial_shard"  # what a multi-rank --vae-config.use-parallel-decode selects
     assert not pipe.fast_decode_applies()
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("frames, height, width", [(9, 5, 7), (4, 6, 4)])
+def test_spatial_norm_matches_diffusers_for_any_resize(first, frames, height, width):
+    """Also a feature grid that is no whole multiple of zq's (rows/columns gathered, not broadcast)."""
+    vae = make_vae(seed=4)
+    norm = vae.decoder.norm_out
+    channels = norm.norm_layer.gamma.shape[0]
+    h = torch.randn(1, channels, frames, height, width)
+    zq = torch.randn(1, vae.config.latent_channels, 3, 2, 3)
+    with torch.no_grad():
+        expected = torch.nn.functional.silu(norm(h, zq, {"is_first_segment": first}))
+        got = ChannelsLastDecoder(vae)._spatial_norm_silu(
+            norm, h.permute(0, 2, 3, 4, 1).contiguous(), zq.permute(0, 2, 3, 4, 1).contiguous(), first)
+    torch.testing.assert_close(got.permute(0, 4, 1, 2, 3), expected, rtol=0, atol=1e-5)

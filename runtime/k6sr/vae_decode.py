@@ -92,6 +92,7 @@ class ChannelsLastDecoder:
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
+        self._indices: dict[tuple, torch.Tensor | None] = {}
         self._check_modules()
         self._channels_last_weights()
 
@@ -162,23 +163,42 @@ class ChannelsLastDecoder:
         """``silu(norm(h, zq))`` with ``zq``'s 1x1 convolutions at latent resolution."""
         _, frames, height, width, _ = h_BTHWC.shape
         zq_frames, zq_height, zq_width = zq_BTHWC.shape[1:4]
-        if first:  # the first frame maps to zq's first frame; the rest resize zq[1:] (diffusers' rule)
-            rest = [] if zq_frames == 1 or frames == 1 else (1 + nearest_index(zq_frames - 1, frames - 1, "cpu")).tolist()
-            time_index = [0] + rest
-            if len(time_index) < frames:  # one latent frame: broadcast over the frames
-                time_index = [0] * frames
-        else:
-            time_index = nearest_index(zq_frames, frames, "cpu").tolist()
-        zq_BTHWC = zq_BTHWC[:, torch.tensor(time_index, device=zq_BTHWC.device)] if time_index != list(range(zq_frames)) else zq_BTHWC
+        time_index = self._index(("time", zq_frames, frames, first), zq_BTHWC.device)
+        if time_index is not None:
+            zq_BTHWC = zq_BTHWC[:, time_index]
         rh, rw = _repeat_factor(zq_height, height), _repeat_factor(zq_width, width)
         if rh is None or rw is None:  # not a plain repeat: gather the rows and columns (never at released sizes)
-            zq_BTHWC = zq_BTHWC[:, :, nearest_index(zq_height, height, zq_BTHWC.device)]
-            zq_BTHWC = zq_BTHWC[:, :, :, nearest_index(zq_width, width, zq_BTHWC.device)]
+            zq_BTHWC = zq_BTHWC[:, :, self._index(("space", zq_height, height), zq_BTHWC.device)]
+            zq_BTHWC = zq_BTHWC[:, :, :, self._index(("space", zq_width, width), zq_BTHWC.device)]
             rh = rw = 1
         y = conv(zq_BTHWC, norm.conv_y)
         b = conv(zq_BTHWC, norm.conv_b)
         rms = norm.norm_layer
         return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw)
+
+    def _index(self, key: tuple, device: torch.device) -> torch.Tensor | None:
+        """A gather index on ``device``, made once per shape (a host-to-device copy waits for the
+        GPU, so one per norm would stall the launch queue); None for the identity.
+
+        ``("time", zq_frames, frames, first)``: the zq frame of every feature frame. The first
+        segment maps its first frame to zq's first and resizes zq[1:] onto the rest (diffusers'
+        rule; one latent frame broadcasts). ``("space", size_in, size_out)``: nearest rows/columns."""
+        cache_key = (*key, device)
+        if cache_key not in self._indices:
+            if key[0] == "space":
+                index = nearest_index(key[1], key[2], "cpu").tolist()
+                size_in = key[1]
+            else:
+                _, size_in, frames, first = key
+                if not first:
+                    index = nearest_index(size_in, frames, "cpu").tolist()
+                elif size_in == 1 or frames == 1:
+                    index = [0] * frames
+                else:
+                    index = [0] + (1 + nearest_index(size_in - 1, frames - 1, "cpu")).tolist()
+            identity = index == list(range(size_in))
+            self._indices[cache_key] = None if identity else torch.tensor(index, device=device)
+        return self._indices[cache_key]
 
     def _resnet(self, block: Kandinsky6SRResnetBlock3D, x_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool):
         h = self._spatial_norm_silu(block.norm1, x_BTHWC, zq_BTHWC, first)
