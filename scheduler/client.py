@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from tilecast.scheduler import protocol as P
+from tilecast.scheduler.wakeup import Wakeup
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:30010"
 
@@ -176,12 +177,7 @@ class Client(_Base):
         self._context = zmq.Context.instance()
         self._pending: dict[int, Future] = {}
         self._outbox: "queue.Queue[list]" = queue.Queue()
-        self._wake = f"inproc://tilecast-client-{uuid.uuid4().hex}"
-        self._wake_pull = self._context.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake)
-        self._wake_push = self._context.socket(zmq.PUSH)
-        self._wake_push.connect(self._wake)
-        self._wake_lock = threading.Lock()
+        self._wakeup = Wakeup(self._context, "client")
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._io, name="tilecast-client", daemon=True)
         self._thread.start()
@@ -191,16 +187,12 @@ class Client(_Base):
         sock = self._socket(self._context)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
+        poller.register(self._wakeup.pull, zmq.POLLIN)
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(200))
-                if self._wake_pull in events:
-                    while True:
-                        try:
-                            self._wake_pull.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._wakeup.pull in events:
+                    self._wakeup.drain()
                 while True:
                     try:
                         sock.send_multipart(self._outbox.get_nowait(), copy=False)
@@ -225,8 +217,7 @@ class Client(_Base):
         future: Future = Future()
         self._pending[req_id] = future
         self._outbox.put(frames_for(req_id))
-        with self._wake_lock:
-            self._wake_push.send(b"")
+        self._wakeup.wake()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -289,8 +280,7 @@ class Client(_Base):
     def close(self) -> None:
         self._closed.set()
         self._thread.join(2.0)
-        self._wake_push.close(linger=0)
-        self._wake_pull.close(linger=0)
+        self._wakeup.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 
 import zmq
+
+from tilecast.scheduler.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ class SocketThread(threading.Thread):
         self.deliver = deliver
         self._context = context or zmq.Context.instance()
         self._outbox: "queue.Queue[tuple[bytes, list]]" = queue.Queue()
-        self._wake_endpoint = f"inproc://tilecast-wake-{uuid.uuid4().hex}"
-        self._wake_lock = threading.Lock()
         self._halt = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -45,49 +44,40 @@ class SocketThread(threading.Thread):
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._router.bind(endpoint)  # raises here, in the caller, when the port is taken
         self.bound_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._wake_pull = self._context.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake_endpoint)
-        self._wake_push = self._context.socket(zmq.PUSH)
-        self._wake_push.connect(self._wake_endpoint)
+        self._wakeup = Wakeup(self._context, "router")
 
     def send(self, identity: bytes, frames: list) -> None:
         """Queue a reply to ``identity`` (thread-safe)."""
         self._outbox.put((identity, frames))
-        with self._wake_lock:
-            self._wake_push.send(b"", zmq.NOBLOCK)
+        self._wakeup.wake()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._halt.set()
-        with self._wake_lock:
-            try:
-                self._wake_push.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        try:
+            self._wakeup.wake()
+        except zmq.ZMQError:  # the thread already closed its sockets
+            pass
         self.join(timeout)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
+        poller.register(self._wakeup.pull, zmq.POLLIN)
         try:
             while not self._halt.is_set():
                 events = dict(poller.poll(500))
                 if self._router in events:
                     self._drain_inbound()
-                if self._wake_pull in events:
-                    while True:
-                        try:
-                            self._wake_pull.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._wakeup.pull in events:
+                    self._wakeup.drain()
                 self._drain_outbound()
             self._drain_outbound()
         except BaseException as exc:  # noqa: BLE001 - reported through the log; the watchdog sees the thread die
             self._error = exc
             logger.exception("router thread failed")
         finally:
-            for sock in (self._router, self._wake_pull, self._wake_push):
-                sock.close(linger=500)
+            self._router.close(linger=500)
+            self._wakeup.close()
 
     def _drain_inbound(self) -> None:
         while True:
