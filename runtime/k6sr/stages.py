@@ -225,6 +225,22 @@ def denoise_chunk(
     return latents
 
 
+def denoise_tile_range(
+    parts: K6SRComponents, tiles_NCTHW: torch.Tensor, indices: range, settings: SRSettings,
+    on_step: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Denoise the tiles ``indices`` of ``tiles_NCTHW`` in one chunk: their ``latents_BCTHW``."""
+    latents_BTHWC = denoise_chunk(
+        parts,
+        tiles_NCTHW[indices.start : indices.stop].permute(0, 2, 3, 4, 1),
+        seed=settings.seed,
+        first_tile=indices.start,
+        num_inference_steps=settings.num_inference_steps,
+        on_step=on_step,
+    )
+    return latents_BTHWC.permute(0, 4, 1, 2, 3)
+
+
 def denoise_tiles(
     parts: K6SRComponents,
     tiles_NCTHW: torch.Tensor,
@@ -235,20 +251,8 @@ def denoise_tiles(
     chunks = chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
     step = StepCounter(len(chunks) * settings.num_inference_steps, on_progress)
 
-    results = []
     with on_device(parts.transformer):  # component offload: moved once for all chunks
-        for indices in chunks:
-            lq_BTHWC = tiles_NCTHW[indices.start : indices.stop].permute(0, 2, 3, 4, 1)
-            latents_BTHWC = denoise_chunk(
-                parts,
-                lq_BTHWC,
-                seed=settings.seed,
-                first_tile=indices.start,
-                num_inference_steps=settings.num_inference_steps,
-                on_step=step,
-            )
-            results.append((indices, latents_BTHWC.permute(0, 4, 1, 2, 3)))
-    return results
+        return [(indices, denoise_tile_range(parts, tiles_NCTHW, indices, settings, step)) for indices in chunks]
 
 
 def decode_and_blend(

@@ -242,17 +242,7 @@ def denoise_decode_tile_parallel(
     step = stages.StepCounter(max(1, own_chunks * settings.num_inference_steps), on_progress)
 
     def produce(chunk: int) -> torch.Tensor:
-        tiles = ranges[chunk]
-        lq_BTHWC = tiles_NCTHW[tiles.start : tiles.stop].permute(0, 2, 3, 4, 1)
-        latents_BTHWC = stages.denoise_chunk(
-            parts,
-            lq_BTHWC,
-            seed=settings.seed,
-            first_tile=tiles.start,
-            num_inference_steps=settings.num_inference_steps,
-            on_step=step,
-        )
-        return decode(latents_BTHWC.permute(0, 4, 1, 2, 3))
+        return decode(stages.denoise_tile_range(parts, tiles_NCTHW, ranges[chunk], settings, step))
 
     if serial:
         decoded = ((ranges[chunk], produce(chunk)) for chunk in range(len(ranges)))
