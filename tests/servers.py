@@ -78,6 +78,13 @@ class ServerProcess:
     def leftovers(self) -> list[int]:
         return processes_with(self.marker)
 
+    def leftovers_after(self, timeout: float, poll_s: float = 0.2) -> list[int]:
+        """The server's processes still alive after waiting up to ``timeout`` for them to go."""
+        deadline = time.monotonic() + timeout
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return self.leftovers()
+
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -86,10 +93,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
-        deadline = time.monotonic() + 5
-        while self.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in self.leftovers():
+        for pid in self.leftovers_after(5, poll_s=0.1):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

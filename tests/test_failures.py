@@ -65,10 +65,7 @@ def test_kill_9_of_a_worker_fails_every_job_quickly(tmp_path):
         code = server.wait(timeout=30)
         assert code != 0, server.log()
         assert "died" in server.log() or "collective failed" in server.log()
-        deadline = time.monotonic() + 10
-        while server.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not server.leftovers(), "rank processes were left behind"
+        assert not server.leftovers_after(10), "rank processes were left behind"
         with Client(server.endpoint, dead_after_s=2.0) as client:
             with pytest.raises((ServerDeadError, TimeoutError)):
                 client.submit(size=1)
@@ -90,10 +87,7 @@ def test_stuck_rank_is_detected_and_every_job_fails(tmp_path):
             assert outcome.startswith(("failed", "dead")), (job_id, outcome)
         assert any("stuck" in outcome or "no progress" in outcome for outcome in outcomes.values()), outcomes
         assert server.wait(timeout=30) != 0
-        deadline = time.monotonic() + 10
-        while server.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not server.leftovers()
+        assert not server.leftovers_after(10)
     finally:
         server.stop()
 
@@ -117,9 +111,6 @@ def test_sigterm_stops_everything_cleanly(tmp_path):
         waiter.join(40)
         for job_id, outcome in results.items():
             assert outcome.startswith(("failed", "dead", "cancelled")), (job_id, outcome)
-        deadline = time.monotonic() + 10
-        while server.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not server.leftovers()
+        assert not server.leftovers_after(10)
     finally:
         server.stop()
