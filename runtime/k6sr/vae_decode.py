@@ -34,7 +34,8 @@ diffusers' decode; so does a VAE streamed layer by layer (its hooks sit on those
 
 from __future__ import annotations
 
-import logging
+import functools
+
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
@@ -47,8 +48,6 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
 from torch import nn
 
 from tilecast.kernels.spatial_norm import norm_modulate_silu
-
-logger = logging.getLogger(__name__)
 
 
 def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
@@ -72,6 +71,7 @@ def nearest_index(size_in: int, size_out: int, device) -> torch.Tensor:
     return index.to(device)
 
 
+@functools.cache  # asked by every spatial norm of every segment, for a handful of sizes
 def _repeat_factor(size_in: int, size_out: int) -> int | None:
     """``r`` when nearest resizing ``size_in`` -> ``size_out`` repeats every element ``r`` times."""
     if size_out % size_in:
@@ -88,7 +88,6 @@ class ChannelsLastDecoder:
     factor, ``BCTHW``) and returns what it returns (the ``BCTHW`` video tensor)."""
 
     def __init__(self, vae: nn.Module) -> None:
-        self.vae = vae
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
