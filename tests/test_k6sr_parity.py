@@ -20,27 +20,13 @@ import pytest
 import torch
 
 from tests.media import pattern_frames
+from tilecast.runtime.k6sr.bench import DenseSDPAProcessor
 from tilecast.runtime.k6sr.params import SRParams
 from tilecast.runtime.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
 from tilecast.runtime.pipeline import RankContext
 
 ATOL = 1e-4
-
-
-class SDPAProcessor:
-    """diffusers-side dense attention: diffusers' q/k/v/norm/rope, then torch SDPA."""
-
-    def __call__(self, attn, hidden_states, rotary_emb, sparse_params):
-        from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary
-
-        q = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        k = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        v = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        q = apply_rotary(attn.query_norm(q.float()).type_as(q), rotary_emb)
-        k = apply_rotary(attn.key_norm(k.float()).type_as(k), rotary_emb)
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +48,7 @@ def reference(tiny_dir):
     from diffusers import Kandinsky6SRPipeline
 
     pipe = Kandinsky6SRPipeline.from_pretrained(str(tiny_dir), dtype=torch.float32)
-    pipe.transformer.set_attn_processor(SDPAProcessor())
+    pipe.transformer.set_attn_processor(DenseSDPAProcessor())
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

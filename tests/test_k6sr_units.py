@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tilecast.runtime.k6sr import params as P
+from tilecast.runtime.k6sr.bench import DenseSDPAProcessor
 from tilecast.runtime.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
 from tilecast.runtime.k6sr.video_io import MAX_FRAMES, select_frames
 
@@ -174,18 +175,6 @@ def test_resolve_video_path(tmp_path: Path):
 
 
 # ----------------------------------------------------------------------------- attention processor
-def _sdpa_reference(attn, hidden_states, rope):
-    from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary
-
-    q = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
-    k = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
-    v = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
-    q = apply_rotary(attn.query_norm(q.float()).type_as(q), rope)
-    k = apply_rotary(attn.key_norm(k.float()).type_as(k), rope)
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
-
-
 def _rope(num_tokens: int, head_dim: int) -> torch.Tensor:
     angles = torch.rand(num_tokens, 1, head_dim // 2) * 6.0
     cos, sin = torch.cos(angles), torch.sin(angles)
@@ -203,7 +192,7 @@ def test_dense_processor_matches_sdpa_and_column_sharding():
     x = torch.randn(2, tokens, dim)
     rope = _rope(tokens, head_dim)
     with torch.no_grad():
-        expected = _sdpa_reference(attn, x, rope)
+        expected = DenseSDPAProcessor()(attn, x, rope, None)  # diffusers' ops, torch SDPA
         attn.set_processor(K6SRDenseAttnProcessor())
         assert isinstance(attn.processor, K6SRDenseAttnProcessor)
         got = attn(x, rope, {})
