@@ -125,7 +125,7 @@ def resolve_backend(
         raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(backend_names())}")
     reason = backend.unavailable_reason(device, dtype)
     if reason is not None:
-        raise BackendUnavailableError(reason)
+        raise BackendUnavailableError(f"attention backend {name!r} cannot run here: {reason}")
     return backend
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against their peers, ratios in one run.")
-console = Console()
+console = Console(width=max(160, Console().width))
 
 
 def _save(rows: list[dict], path: Optional[Path]) -> None:
@@ -22,7 +22,7 @@ def _save(rows: list[dict], path: Optional[Path]) -> None:
 
 def _fmt(value) -> str:
     if isinstance(value, float):
-        return f"{value:.3f}"
+        return f"{value:.2e}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
     return "" if value is None else str(value)
 
 
@@ -77,6 +77,41 @@ def attention(
     _save(rows, json_out)
 
 
+@bench_app.command("step")
+def step(
+    model_path: Annotated[str, typer.Option("--model-path", help="tiny/flux (CPU) | random/flux (released size, GPU).")] = "tiny/flux",
+    width: Annotated[int, typer.Option("--width")] = 512,
+    height: Annotated[int, typer.Option("--height")] = 512,
+    batch_size: Annotated[list[int], typer.Option("--batch-size", help="Repeat for several.")] = [1],  # noqa: B006
+    device: Annotated[str, typer.Option("--device")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "float32",
+    compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile tilecast's transformer blocks (compile time is in the warm-up).")] = False,
+    attention_backend: Annotated[Optional[str], typer.Option("--attention-backend", help="tilecast's attention kernel (default: the fastest).")] = None,
+    iters: Annotated[int, typer.Option("--iters")] = 10,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
+) -> None:
+    """One FLUX denoising step: diffusers' eager transformer vs tilecast's fast paths, same model, one run."""
+    from tilecast.runtime.config import DTYPES
+    from tilecast.runtime.families.bench_step import run_step_bench
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:  # a ValueError names the bad option
+        rows = run_step_bench(model_path, width=width, height=height, batch_sizes=list(batch_size), device=device,
+                              dtype=dtype, compile_blocks=compile_blocks, attention_backend=attention_backend,
+                              iters=iters)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    columns = ["batch", "tflop", "diffusers_ms", "tilecast_ms", "ratio", "tilecast_ms_per_image", "diffusers_tflops",
+               "tilecast_tflops", "tilecast_warmup_s", "max_rel_diff"]
+    table = Table(*columns, title=f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
+                                  f"{', compiled' if compile_blocks else ''}")
+    for row in rows:
+        table.add_row(*(_fmt(row.get(c)) for c in columns))
+    console.print(table)
+    _save(rows, json_out)
+
+
 @bench_app.command("batching")
 def batching(
     model_path: Annotated[str, typer.Option("--model-path", help="tiny/flux (CPU), random/flux (released size, GPU), ...")] = "tiny/flux",
@@ -91,6 +126,7 @@ def batching(
     batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")] = 8,
     batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms")] = 20.0,
     peer: Annotated[str, typer.Option("--peer", help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.")] = "none",
+    compile_blocks: Annotated[bool, typer.Option("--compile", help="Serve with --compile (the peer stays eager, as diffusers ships).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, in one run."""
@@ -101,7 +137,8 @@ def batching(
             model_path, num_clients=num_clients, requests_per_client=requests_per_client, width=width,
             height=height, steps=steps, device=device, num_gpus=num_gpus, dtype=dtype,
             peer=None if peer == "none" else peer, batching_max_size=batching_max_size,
-            batching_delay_ms=batching_delay_ms, print_table=True,
+            batching_delay_ms=batching_delay_ms, extra_serve_args=["--compile"] if compile_blocks else [],
+            print_table=True,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -242,8 +242,14 @@ class DiffusersBatchPipeline(Pipeline):
         return pipe
 
     @classmethod
+    def install_fast_paths(cls, pipe: Any, options: dict[str, Any]) -> None:
+        """Change the loaded diffusers pipeline in place for speed, keeping its function (default:
+        nothing). A family that reads more ``options`` here lists them in ``honoured_options``."""
+
+    @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
         pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.options.get("dtype") or "float32"))
+        cls.install_fast_paths(pipe, ctx.options)
         if ctx.rank == 0:
             for setting in ignored_settings(ctx.options, cls.honoured_options):
                 logger.warning("%s: %s is ignored (this family runs diffusers' pipeline replicated on every rank)",

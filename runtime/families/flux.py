@@ -124,6 +124,14 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     size_multiple = 16
     default_guidance = 3.5
     max_sequence_length = 128
+    honoured_options = DiffusersBatchPipeline.honoured_options | {"attention_backend", "compile"}
+
+    @classmethod
+    def install_fast_paths(cls, pipe, options) -> None:
+        from tilecast.runtime.families.flux_fast import install_fast_paths
+
+        install_fast_paths(pipe.transformer, backend=options.get("attention_backend"),
+                           compile_blocks=bool(options.get("compile")))
 
     def guidance_on(self, params) -> bool:
         return False  # guidance-distilled: guidance_scale is an embedding, not CFG

@@ -1,0 +1,109 @@
+"""``tilecast bench step``: one FLUX denoising step, diffusers' eager model against tilecast's, in one run.
+
+One model is built (the family's ``build_diffusers``: for ``random/flux`` the released size with
+seeded random weights). The step's inputs come from the pipeline's own ``encode_prompt`` and
+``prepare_latents`` at the requested size, ``batch`` distinct prompts. The transformer's forward
+is timed as diffusers ships it (eager, PyTorch's default SDPA); then tilecast's fast paths are
+installed on the same object (``install_fast_paths``: its attention kernel, fused projections and,
+with ``compile_blocks``, compiled blocks) and the same inputs are timed again. Each side is warmed
+up first (the compile is in tilecast's warm-up, reported as ``warmup_s``). Reported per batch
+size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by PyTorch's
+``FlopCounterMode`` on one step), tilecast / diffusers, and the largest difference between the
+two sides' outputs relative to the output's scale.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tilecast.runtime.families.flux import FluxT2IPipeline
+from tilecast.runtime.registry import resolve_pipeline
+
+GUIDANCE = 3.5
+"""FLUX.1-dev's default distilled guidance, fed as an embedding."""
+
+
+def step_inputs(pipe, batch: int, *, width: int, height: int, max_sequence_length: int) -> dict[str, Any]:
+    """The transformer's keyword arguments for one step of ``batch`` prompts, made by the pipeline itself."""
+    device = pipe.transformer.device
+    prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+        prompt=[f"bench step prompt {i}" for i in range(batch)], prompt_2=None, device=device,
+        max_sequence_length=max_sequence_length,
+    )
+    latents, image_ids = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels // 4, height, width, prompt_embeds.dtype, device,
+        torch.Generator(device="cpu").manual_seed(0),
+    )
+    return dict(
+        hidden_states=latents, timestep=torch.full((batch,), 0.5, device=device, dtype=latents.dtype),
+        guidance=torch.full((batch,), GUIDANCE, device=device, dtype=torch.float32), pooled_projections=pooled,
+        encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(transformer, inputs: dict, *, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
+    """(seconds of warm-up, milliseconds per step, the output) of ``transformer(**inputs)``."""
+    device = inputs["hidden_states"].device
+    began = time.perf_counter()
+    for _ in range(warmup):
+        out = transformer(**inputs)[0]
+    _sync(device)
+    warmup_s = time.perf_counter() - began
+    began = time.perf_counter()
+    for _ in range(iters):
+        out = transformer(**inputs)[0]
+    _sync(device)
+    return warmup_s, (time.perf_counter() - began) / iters * 1e3, out
+
+
+def count_flops(transformer, inputs: dict) -> int:
+    with FlopCounterMode(display=False) as counter:
+        transformer(**inputs)
+    return counter.get_total_flops()
+
+
+def run_step_bench(
+    model_path: str, *, width: int, height: int, batch_sizes: list[int], device: str, dtype: str,
+    compile_blocks: bool, attention_backend: str | None = None, warmup: int = 3, iters: int = 10,
+) -> list[dict[str, Any]]:
+    """One row per batch size (see the module doc). ``ValueError`` names a bad argument."""
+    family = resolve_pipeline(model_path)
+    if not issubclass(family, FluxT2IPipeline):
+        raise ValueError(f"bench step times FLUX's transformer (tiny/flux, random/flux); {model_path!r} is "
+                         f"served by {family.__name__}")
+    for name, values in (("batch size", batch_sizes), ("warm-up", [warmup]), ("iters", [iters])):
+        if not values or any(v < 1 for v in values):
+            raise ValueError(f"every {name} must be a positive integer, got {values}")
+    for side in (width, height):
+        if side % family.size_multiple:
+            raise ValueError(f"width and height must be multiples of {family.size_multiple}, got {width}x{height}")
+    pipe = family.build_diffusers(model_path, torch.device(device), getattr(torch, dtype))
+    with torch.inference_mode():
+        inputs = {b: step_inputs(pipe, b, width=width, height=height, max_sequence_length=family.max_sequence_length)
+                  for b in batch_sizes}
+        rows = []
+        for batch in batch_sizes:
+            warmup_s, ms, out = time_step(pipe.transformer, inputs[batch], warmup=warmup, iters=iters)
+            rows.append(dict(model=model_path, width=width, height=height, batch=batch, dtype=dtype,
+                             tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12, diffusers_ms=ms,
+                             diffusers_warmup_s=warmup_s, reference=out))
+        family.install_fast_paths(pipe, {"attention_backend": attention_backend, "compile": compile_blocks})
+        for row in rows:
+            warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
+            reference = row.pop("reference").float()
+            row.update(
+                tilecast_ms=ms, tilecast_warmup_s=warmup_s, ratio=ms / row["diffusers_ms"],
+                diffusers_ms_per_image=row["diffusers_ms"] / row["batch"], tilecast_ms_per_image=ms / row["batch"],
+                diffusers_tflops=row["tflop"] / row["diffusers_ms"] * 1e3, tilecast_tflops=row["tflop"] / ms * 1e3,
+                max_rel_diff=((out.float() - reference).abs().max() / reference.abs().max()).item(),
+            )
+    return rows
