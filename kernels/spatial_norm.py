@@ -1,5 +1,9 @@
 """The K-VAE decoder's spatial norm + SiLU in one pass: ``silu(rms_normalize(h) * scale * gamma * up(y) + up(b))``.
 
+Optionally ``h`` first gets a per-channel bias (``h_bias_C``): the bias of the convolution that made
+``h``, which the decoder leaves out of that convolution (PyTorch adds a convolution's bias in a
+separate broadcast pass, which on channels-last video was 10% of a tile's decode).
+
 ``h`` is a channels-last feature map ``h_BTHWC``; ``y``/``b`` are the two 1x1 convolutions of the
 latent ``zq`` at latent resolution, already gathered to ``h``'s frames (``y_BTHWC`` with ``H / rh``
 rows and ``W / rw`` columns); ``up`` repeats each of their pixels ``rh`` x ``rw`` times (nearest
@@ -22,15 +26,18 @@ import torch.nn.functional as F
 
 def reference(
     h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int,
+    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch ops in diffusers' order (``Kandinsky6VAERMSNorm`` then ``Kandinsky6SRSpatialNorm3D``, then SiLU)."""
     batch, frames, height, width, channels = h_BTHWC.shape
+    if h_bias_C is not None:
+        h_BTHWC = h_BTHWC + h_bias_C
     normalized = F.normalize(h_BTHWC.float(), dim=-1).to(h_BTHWC.dtype) * scale * gamma_C
     normalized = normalized.view(batch, frames, height // rh, rh, width // rw, rw, channels)
     y = y_BTHWC[:, :, :, None, :, None, :]
     b = b_BTHWC[:, :, :, None, :, None, :]
-    return F.silu(normalized * y + b).view(batch, frames, height, width, channels)
+    result = F.silu(normalized * y + b).view(batch, frames, height, width, channels)
+    return result if out is None else out.copy_(result)
 
 
 @functools.cache
@@ -39,8 +46,9 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(h_ptr, gamma_ptr, y_ptr, b_ptr, out_ptr, scale, num_rows, channels, height, width,
-               latent_height, latent_width, rh, rw, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    def kernel(h_ptr, h_bias_ptr, gamma_ptr, y_ptr, b_ptr, out_ptr, scale, num_rows, channels, height, width,
+               latent_height, latent_width, rh, rw, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+               ROWS: tl.constexpr):
         dtype = h_ptr.dtype.element_ty
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
@@ -49,6 +57,9 @@ def _triton_kernel():
         offsets = rows[:, None] * channels + cols[None, :]
 
         x = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
+            x = (x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+            x = x.to(tl.float32)
         denom = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)  # F.normalize's eps
         n = (x / denom[:, None]).to(dtype).to(tl.float32)
         n = (n * scale).to(dtype).to(tl.float32)
@@ -73,19 +84,22 @@ def _triton_kernel():
 
 def triton_fused(
     h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int,
+    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``reference`` in one Triton kernel (CUDA tensors)."""
+    """``reference`` in one Triton kernel (CUDA tensors), written straight into ``out`` when it is contiguous."""
+    if out is not None and not out.is_contiguous():
+        return out.copy_(triton_fused(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, h_bias_C=h_bias_C))
     triton, kernel = _triton_kernel()
     h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
     batch, frames, height, width, channels = h_BTHWC.shape
-    out = torch.empty_like(h_BTHWC)
+    out = torch.empty_like(h_BTHWC) if out is None else out
     num_rows = h_BTHWC.numel() // channels
     block_c = triton.next_power_of_2(channels)
     rows = max(1, 4096 // block_c)
     kernel[(triton.cdiv(num_rows, rows),)](
-        h_BTHWC, gamma_C.contiguous(), y_BTHWC, b_BTHWC, out, float(scale), num_rows, channels, height, width,
-        height // rh, width // rw, rh, rw, BLOCK_C=block_c, ROWS=rows, num_warps=8 if block_c >= 1024 else 4,
+        h_BTHWC, gamma_C if h_bias_C is None else h_bias_C.contiguous(), gamma_C.contiguous(), y_BTHWC, b_BTHWC, out,
+        float(scale), num_rows, channels, height, width, height // rh, width // rw, rh, rw,
+        HAS_BIAS=h_bias_C is not None, BLOCK_C=block_c, ROWS=rows, num_warps=8 if block_c >= 1024 else 4,
     )
     return out
 
@@ -101,9 +115,10 @@ def triton_available() -> bool:
 
 def norm_modulate_silu(
     h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int,
+    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``triton_fused`` for CUDA tensors when Triton is importable, else ``reference``."""
-    if h_BTHWC.is_cuda and triton_available():
-        return triton_fused(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw)
-    return reference(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw)
+    """``triton_fused`` for CUDA tensors when Triton is importable, else ``reference``; the result goes
+    to ``out`` (``h``'s shape and dtype) when given, and is returned. ``h_bias_C`` (the bias of the
+    convolution that made ``h``, left out there) is added to ``h`` first, rounded as a separate add."""
+    kernel = triton_fused if h_BTHWC.is_cuda and triton_available() else reference
+    return kernel(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out=out, h_bias_C=h_bias_C)

@@ -13,7 +13,13 @@ Tolerances, on the tiny checkpoint's float video in [-1, 1]:
   unchanged: 56.9 dB eager and fused);
 - the channels-last VAE decode on a mid-size K-VAE over three segments vs diffusers' decode: fp32
   max 5e-3 (cuDNN picks other kernels, TF32); bf16 PSNR against diffusers' fp32 decode at most 1 dB
-  below diffusers' own bf16 decode.
+  below diffusers' own bf16 decode;
+- the Triton nearest repeat vs its PyTorch copy, and the Triton bias (+ residual) add vs PyTorch's
+  two adds: bit-exact;
+- FLUX's fast paths (``families.flux_fast``: tilecast's attention kernel, fused projections,
+  optionally compiled blocks) vs diffusers' transformer on one tiny/flux step: fp32 max difference
+  at most 5e-3 of the output's scale; bf16 PSNR against diffusers' fp32 at most 1 dB below
+  diffusers' own bf16.
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ def test_bf16_pipeline_as_close_to_fp32_as_diffusers_bf16():
     assert ours >= peer - 1.0, (ours, peer)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("channels, rh, rw", [(16, 16, 16), (256, 8, 8), (512, 4, 4), (2048, 1, 1), (24, 2, 4)])
-def test_fused_spatial_norm_matches_pytorch(channels, rh, rw):
+def test_fused_spatial_norm_matches_pytorch(channels, rh, rw, with_bias):
     from tilecast.kernels.spatial_norm import reference, triton_fused
 
     torch.manual_seed(channels)
@@ -92,10 +99,12 @@ def test_fused_spatial_norm_matches_pytorch(channels, rh, rw):
     y = torch.randn(2, 3, 4, 6, channels, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2, 3, 4, 6, channels, device="cuda", dtype=torch.bfloat16)
     gamma = (torch.rand(channels, device="cuda") + 0.5).bfloat16()
+    h_bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16) if with_bias else None
     args = (channels**0.5, gamma, y, b, rh, rw)
-    exact = reference(h.double(), channels**0.5, gamma.double(), y.double(), b.double(), rh, rw)
-    expected = reference(h, *args).double()
-    got = triton_fused(h, *args).double()
+    exact = reference(h.double(), channels**0.5, gamma.double(), y.double(), b.double(), rh, rw,
+                      h_bias_C=None if h_bias is None else h_bias.double())
+    expected = reference(h, *args, h_bias_C=h_bias).double()
+    got = triton_fused(h, *args, h_bias_C=h_bias).double()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
     # As close to the unrounded (float64) result as the PyTorch composition is.
     ours, pytorch = (got - exact).abs().mean().item(), (expected - exact).abs().mean().item()
@@ -129,3 +138,59 @@ def test_channels_last_decode_matches_diffusers():
     ours, peer = _psnr(fast_bf16, reference), _psnr(diffusers_bf16, reference)
     print(f"decode bf16 vs fp32 PSNR: tilecast {ours:.2f} dB, diffusers {peer:.2f} dB")
     assert ours >= peer - 1.0, (ours, peer)
+
+
+def _flux_step(dtype, fast: bool, compile_blocks: bool = False):
+    """One step of tiny/flux's transformer on the GPU, diffusers' own or with tilecast's fast paths."""
+    from tilecast.runtime.families.bench_step import step_inputs
+    from tilecast.runtime.families.flux import FluxT2IPipeline
+
+    pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
+    if fast:
+        FluxT2IPipeline.install_fast_paths(pipe, {"compile": compile_blocks})
+    with torch.inference_mode():
+        inputs = step_inputs(pipe, 2, width=128, height=96, max_sequence_length=FluxT2IPipeline.max_sequence_length)
+        return pipe.transformer(**inputs)[0].float().cpu()
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_flux_fast_paths_match_diffusers(compile_blocks):
+    """fp32: within 5e-3 relative to the output's scale; bf16 (cuDNN attention there): PSNR against
+    diffusers' fp32 at most 1 dB below diffusers' own bf16."""
+    reference = _flux_step(torch.float32, fast=False)
+    ours = _flux_step(torch.float32, fast=True, compile_blocks=compile_blocks)
+    assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 5e-3
+
+    def psnr(x):
+        scale = reference.abs().max().item()
+        return 10 * torch.log10(scale**2 / ((x - reference) ** 2).mean()).item()
+
+    fast_bf16 = psnr(_flux_step(torch.bfloat16, fast=True, compile_blocks=compile_blocks))
+    peer_bf16 = psnr(_flux_step(torch.bfloat16, fast=False))
+    print(f"FLUX step bf16 vs fp32 PSNR: tilecast {fast_bf16:.2f} dB, diffusers {peer_bf16:.2f} dB")
+    assert fast_bf16 >= peer_bf16 - 1.0, (fast_bf16, peer_bf16)
+
+
+@pytest.mark.parametrize("shape, factors", [((1, 5, 6, 8, 128), (1, 2, 2, 0)), ((2, 4, 3, 5, 24), (2, 1, 1, 1)),
+                                            ((1, 3, 4, 4, 1024), (3, 2, 1, 2))])
+def test_triton_nearest_repeat_is_the_reference_copy(shape, factors):
+    from tilecast.kernels.upsample import reference, triton_repeat
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    expected = reference(x, *factors)
+    assert torch.equal(triton_repeat(x, *factors), expected)
+    out = torch.zeros(shape[0], expected.shape[1] + 2, *expected.shape[2:], device="cuda", dtype=torch.bfloat16)
+    triton_repeat(x, *factors, out=out[:, 2:])  # a slice (contiguous only for batch 1)
+    assert torch.equal(out[:, 2:], expected) and not out[:, :2].any()
+
+
+@pytest.mark.parametrize("channels", [16, 256, 24, 2048])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_triton_bias_add_is_pytorchs_two_adds(channels, with_residual):
+    from tilecast.kernels.channel_bias import reference_, triton_
+
+    torch.manual_seed(channels)
+    y = torch.randn(1, 3, 5, 7, channels, device="cuda", dtype=torch.bfloat16) * 4
+    bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(y) if with_residual else None
+    assert torch.equal(triton_(y.clone(), bias, residual), reference_(y.clone(), bias, residual))

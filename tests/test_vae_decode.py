@@ -138,3 +138,39 @@ def test_spatial_norm_matches_diffusers_for_any_resize(first, frames, height, wi
         got = ChannelsLastDecoder(vae)._spatial_norm_silu(
             norm, h.permute(0, 2, 3, 4, 1).contiguous(), zq.permute(0, 2, 3, 4, 1).contiguous(), first)
     torch.testing.assert_close(got.permute(0, 4, 1, 2, 3), expected, rtol=0, atol=1e-5)
+
+
+# ---- nearest repeat (kernels/upsample.py) -------------------------------------------------------
+def test_nearest_repeat_reference_is_repeat_interleave_and_writes_into_slices():
+    from tilecast.kernels.upsample import reference, repeat_nearest
+
+    x = torch.randn(2, 3, 4, 5, 6)
+    expected = x.repeat_interleave(2, 1).repeat_interleave(3, 2).repeat_interleave(2, 3)
+    assert torch.equal(reference(x, 2, 3, 2), expected)
+    assert torch.equal(repeat_nearest(x, 2, 3, 2, drop=1), expected[:, 1:])
+    buffer = torch.zeros(2, 8, 4, 5, 6)
+    repeat_nearest(x, 2, 1, 1, drop=1, out=buffer[:, 3:])  # into a causal convolution's body
+    assert torch.equal(buffer[:, 3:], x.repeat_interleave(2, 1)[:, 1:]) and not buffer[:, :3].any()
+
+
+@pytest.mark.parametrize("factors, message", [((0, 1, 1, 0), "factors must be >= 1"), ((2, 1, 1, 2), "drop < rt")])
+def test_nearest_repeat_refuses_bad_factors(factors, message):
+    from tilecast.kernels.upsample import repeat_nearest
+
+    with pytest.raises(ValueError, match=message):
+        repeat_nearest(torch.zeros(1, 2, 2, 2, 4), *factors)
+    with pytest.raises(ValueError, match="expected"):
+        repeat_nearest(torch.zeros(1, 2, 2, 2, 4), 1, 2, 2, out=torch.zeros(1, 2, 4, 2, 4))
+
+
+def test_bias_add_reference_rounds_like_two_adds_and_the_norm_takes_a_bias():
+    from tilecast.kernels.channel_bias import add_bias_
+
+    y, bias, residual = torch.randn(1, 2, 3, 4, 8).bfloat16(), torch.randn(8).bfloat16(), torch.randn(1, 2, 3, 4, 8).bfloat16()
+    expected = (y + bias) + residual
+    assert torch.equal(add_bias_(y.clone(), bias, residual), expected)
+    assert torch.equal(add_bias_(y.clone(), None, residual), y + residual)
+    h, gamma = torch.randn(1, 2, 4, 4, 8), torch.rand(8) + 0.5
+    zy, zb = torch.randn(1, 2, 2, 2, 8), torch.randn(1, 2, 2, 2, 8)
+    assert torch.equal(norm_modulate_silu(h, 2.0, gamma, zy, zb, 2, 2, h_bias_C=bias.float()),
+                       norm_modulate_silu(h + bias.float(), 2.0, gamma, zy, zb, 2, 2))

@@ -20,7 +20,14 @@ their own pass over memory (about 30%).
 - **one copy per causal convolution**: the carried frames are concatenated in front along time
   (the outermost axis, a plain block copy) and the spatial zero padding is the convolution's own;
 - **one kernel per spatial norm** on CUDA: RMS norm, modulation and SiLU fused in Triton
-  (``kernels/spatial_norm.py``; elsewhere the same ops in PyTorch).
+  (``kernels/spatial_norm.py``; elsewhere the same ops in PyTorch), writing straight into the
+  next causal convolution's input buffer;
+- **no bias passes**: 3-D convolutions run without bias; it is added in a pass made anyway (the
+  next spatial norm, or the residual add, ``kernels/channel_bias.py``). PyTorch would add it in a
+  broadcast pass of its own, 10% of a tile's decode on channels-last video;
+- **nearest repeats** (the upsamplers' frame and pixel doubling, the first segment's repeated
+  first frame) copy whole channel rows in Triton (``kernels/upsample.py``), not PyTorch's generic
+  strided copy.
 
 Segments are diffusers' (the first segment one latent frame longer, ``SEGMENT_FRAMES`` pixel
 frames after it) and each causal convolution carries the same frames across them, so peak memory
@@ -47,7 +54,10 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
 )
 from torch import nn
 
+from tilecast.kernels.channel_bias import add_bias_
 from tilecast.kernels.spatial_norm import norm_modulate_silu
+from tilecast.kernels.upsample import output_shape as upsample_shape
+from tilecast.kernels.upsample import repeat_nearest
 
 
 def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
@@ -55,11 +65,15 @@ def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
     return x_BTHWC.permute(0, 4, 1, 2, 3)
 
 
-def conv(x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``layer`` applied to a ``BTHWC`` tensor (``padding`` overrides the layer's own)."""
+def conv(x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None,
+         *, bias: bool = True) -> torch.Tensor:
+    """``layer`` applied to a ``BTHWC`` tensor (``padding`` overrides the layer's own). ``bias=False``
+    leaves a 3-D convolution's bias out, for the caller to add in a pass it makes anyway
+    (``add_bias_``, or the next spatial norm); a 1x1 convolution always adds it (the matrix multiply
+    does, for free)."""
     if layer.kernel_size == (1, 1, 1) and layer.stride == (1, 1, 1):
         return F.linear(x_BTHWC, layer.weight.flatten(1), layer.bias)
-    y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), layer.weight, layer.bias, layer.stride,
+    y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), layer.weight, layer.bias if bias else None, layer.stride,
                        layer.padding if padding is None else padding)
     return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
 
@@ -134,7 +148,7 @@ class ChannelsLastDecoder:
     # ------------------------------------------------------------------ layers
     def _segment(self, z_BTHWC: torch.Tensor, *, first: bool) -> torch.Tensor:
         decoder = self.decoder
-        h = self._causal_conv(decoder.conv_in, z_BTHWC, first)
+        h = add_bias_(self._causal_conv(decoder.conv_in, z_BTHWC, first), decoder.conv_in.conv.bias)
         h = self._resnet(decoder.mid.block_1, h, z_BTHWC, first)
         h = self._resnet(decoder.mid.block_2, h, z_BTHWC, first)
         for level in reversed(range(len(decoder.up))):
@@ -143,21 +157,47 @@ class ChannelsLastDecoder:
                 h = self._resnet(block, h, z_BTHWC, first)
             if hasattr(up, "upsample"):
                 h = self._upsample(up.upsample, h, first)
-        h = self._spatial_norm_silu(decoder.norm_out, h, z_BTHWC, first)
-        return self._causal_conv(decoder.conv_out, h, first)
+        return add_bias_(self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first),
+                         decoder.conv_out.conv.bias)
 
-    def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
-        """Causal along time (the first segment repeats its first frame, later ones prepend the frames
-        the previous segment left), zero padded in space."""
+    def _causal_input(self, layer: Kandinsky6SRCausalConv3d, like: torch.Tensor, shape=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(buffer, body)``: an empty input of ``layer`` for a ``BTHWC`` tensor of ``shape`` (default
+        ``like``'s), ``layer.time_pad`` causal frames in front of ``body``. Whoever computes that
+        tensor writes it into ``body`` (no concatenation)."""
+        batch, frames, height, width, channels = like.shape if shape is None else shape
+        buffer = like.new_empty(batch, layer.time_pad + frames, height, width, channels)
+        return buffer, buffer[:, layer.time_pad:]
+
+    def _causal_conv_buffer(self, layer: Kandinsky6SRCausalConv3d, buffer: torch.Tensor, first: bool) -> torch.Tensor:
+        """Convolve a filled ``_causal_input`` buffer: causal along time (the first segment repeats its
+        first frame, later ones take the frames the previous segment left), zero padded in space.
+        Without the bias (``layer.conv.bias``): the caller adds it (``conv(bias=False)``)."""
         pad = layer.time_pad
         if pad:
-            head = x_BTHWC[:, :1].expand(-1, pad, -1, -1, -1) if first else self._carried[id(layer)]
-            x_BTHWC = torch.cat([head, x_BTHWC], dim=1)
-            self._carried[id(layer)] = x_BTHWC[:, -pad:].clone()
-        return conv(x_BTHWC, layer.conv, padding=(0, layer.height_pad, layer.width_pad))
+            if first:  # the first frame, repeated
+                repeat_nearest(buffer[:, pad:pad + 1], pad, 1, 1, out=buffer[:, :pad])
+            else:
+                buffer[:, :pad] = self._carried[id(layer)]
+            self._carried[id(layer)] = buffer[:, -pad:].clone()
+        return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
+
+    def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
+        """``_causal_conv_buffer`` of a copy of ``x`` (without the bias)."""
+        buffer, body = self._causal_input(layer, x_BTHWC)
+        body.copy_(x_BTHWC)
+        return self._causal_conv_buffer(layer, buffer, first)
+
+    def _norm_silu_conv(self, norm: Kandinsky6SRSpatialNorm3D, layer: Kandinsky6SRCausalConv3d, h_BTHWC: torch.Tensor,
+                        zq_BTHWC: torch.Tensor, first: bool, h_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``layer(silu(norm(h + h_bias, zq)))`` without ``layer``'s bias, the norm written straight into
+        the convolution's input."""
+        buffer, body = self._causal_input(layer, h_BTHWC)
+        self._spatial_norm_silu(norm, h_BTHWC, zq_BTHWC, first, out=body, h_bias=h_bias)
+        return self._causal_conv_buffer(layer, buffer, first)
 
     def _spatial_norm_silu(
-        self, norm: Kandinsky6SRSpatialNorm3D, h_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool
+        self, norm: Kandinsky6SRSpatialNorm3D, h_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool,
+        out: torch.Tensor | None = None, h_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``silu(norm(h, zq))`` with ``zq``'s 1x1 convolutions at latent resolution."""
         _, frames, height, width, _ = h_BTHWC.shape
@@ -173,7 +213,7 @@ class ChannelsLastDecoder:
         y = conv(zq_BTHWC, norm.conv_y)
         b = conv(zq_BTHWC, norm.conv_b)
         rms = norm.norm_layer
-        return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw)
+        return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw, out=out, h_bias_C=h_bias)
 
     def _index(self, key: tuple, device: torch.device) -> torch.Tensor | None:
         """A gather index on ``device``, made once per shape (a host-to-device copy waits for the
@@ -200,21 +240,19 @@ class ChannelsLastDecoder:
         return self._indices[cache_key]
 
     def _resnet(self, block: Kandinsky6SRResnetBlock3D, x_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool):
-        h = self._spatial_norm_silu(block.norm1, x_BTHWC, zq_BTHWC, first)
-        h = self._causal_conv(block.conv1, h, first)
-        h = self._spatial_norm_silu(block.norm2, h, zq_BTHWC, first)
-        h = self._causal_conv(block.conv2, h, first)
+        h = self._norm_silu_conv(block.norm1, block.conv1, x_BTHWC, zq_BTHWC, first)
+        h = self._norm_silu_conv(block.norm2, block.conv2, h, zq_BTHWC, first, h_bias=block.conv1.conv.bias)
         residual = conv(x_BTHWC, block.nin_shortcut) if block.in_channels != block.out_channels else x_BTHWC
-        return residual + h
+        return add_bias_(h, block.conv2.conv.bias, residual)
 
     def _upsample(self, upsample: Kandinsky6SRUpsample, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
         if upsample.compress_time:  # T + 1 frames -> 2T + 1: repeat every frame, the first segment drops one copy
-            repeated = x_BTHWC.repeat_interleave(2, dim=1)
-            if first:
-                repeated = repeated[:, 1:]
-            x_BTHWC = self._causal_conv(upsample.temporal_conv, repeated, first) + repeated
-        batch, frames, height, width, channels = x_BTHWC.shape
-        x_BTHWC = x_BTHWC[:, :, :, None, :, None, :].expand(batch, frames, height, 2, width, 2, channels)
-        x_BTHWC = x_BTHWC.reshape(batch, frames, 2 * height, 2 * width, channels)
-        x_BTHWC = x_BTHWC + conv(x_BTHWC, upsample.spatial_conv)
+            drop = 1 if first else 0
+            shape = upsample_shape(x_BTHWC, 2, 1, 1, drop)
+            buffer, body = self._causal_input(upsample.temporal_conv, x_BTHWC, shape)
+            repeat_nearest(x_BTHWC, 2, 1, 1, drop, out=body)
+            x_BTHWC = self._causal_conv_buffer(upsample.temporal_conv, buffer, first)
+            x_BTHWC = add_bias_(x_BTHWC, upsample.temporal_conv.conv.bias, body)
+        x_BTHWC = repeat_nearest(x_BTHWC, 1, 2, 2)
+        x_BTHWC = add_bias_(conv(x_BTHWC, upsample.spatial_conv, bias=False), upsample.spatial_conv.bias, x_BTHWC)
         return conv(x_BTHWC, upsample.linear)
