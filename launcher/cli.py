@@ -96,28 +96,10 @@ def _run_ranks(config: ServeConfig, entry) -> int:
 
 
 @app.command()
+@O.with_shared_options
 def serve(
-    model_path: O.ModelPath = "tiny/k6sr",
-    model_id: O.ModelId = None,
-    num_gpus: O.NumGpus = 1,
-    tp_size: O.TpSize = None,
-    ulysses_degree: O.UlyssesDegree = None,
-    ring_degree: O.RingDegree = None,
-    device: O.Device = "cuda",
-    dtype: O.Dtype = None,
-    attention_backend: O.AttentionBackend = None,
-    parallel_tiling: O.ParallelTiling = "false",
-    parallel_decode: O.ParallelDecode = "false",
-    parallel_decode_mode: O.ParallelDecodeMode = "spatial_shard",
-    fast_decode: O.FastDecode = "true",
+    shared: dict,
     allowed_video_dir: O.AllowedVideoDir = None,
-    heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
-    stuck_timeout_s: O.StuckTimeout = 300.0,
-    layerwise_offload_components: O.LayerwiseOffload = None,
-    cpu_offload_components: O.CpuOffload = None,
-    dit_offload_prefetch_size: O.DitPrefetch = 1,
-    dit_layerwise_resident_layers: O.DitResidentLayers = 0,
-    use_fsdp_inference: O.UseFsdp = "false",
     host: Annotated[str, typer.Option("--host", help="Interface to bind (127.0.0.1 unless asked).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Scheduler port (ZeroMQ ROUTER).")] = 30010,
     batching_mode: Annotated[str, typer.Option("--batching-mode", help="off | dynamic.")] = "off",
@@ -131,25 +113,15 @@ def serve(
     http_port: Annotated[Optional[int], typer.Option("--http-port", help="Serve the OpenAI-style HTTP API on this port (off unless given; 0: any free port).")] = None,
     http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
     max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
-    tile_parallel: O.TileParallel = False,
-    compile_dit: O.Compile = False,
 ) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
         config = O.common_config(
-            model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
-            ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
-            attention_backend=attention_backend, parallel_tiling=parallel_tiling, parallel_decode=parallel_decode,
-            parallel_decode_mode=parallel_decode_mode, fast_decode=fast_decode, allowed_video_dir=allowed_video_dir,
-            heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
-            host=host, port=port, batching_mode=batching_mode, batching_max_size=batching_max_size,
-            batching_delay_ms=batching_delay_ms, batching_config=batching_config,
-            enable_batching_metrics=enable_batching_metrics, max_queued_requests=max_queued_requests,
-            max_message_mb=max_message_mb, http_port=http_port, http_host=http_host, max_upload_mb=max_upload_mb,
-            tile_parallel=tile_parallel, compile=compile_dit,
-            layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
-            dit_offload_prefetch_size=dit_offload_prefetch_size,
-            dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,
+            **shared, allowed_video_dir=allowed_video_dir, output_dir=output_dir, host=host, port=port,
+            batching_mode=batching_mode, batching_max_size=batching_max_size, batching_delay_ms=batching_delay_ms,
+            batching_config=batching_config, enable_batching_metrics=enable_batching_metrics,
+            max_queued_requests=max_queued_requests, max_message_mb=max_message_mb, http_port=http_port,
+            http_host=http_host, max_upload_mb=max_upload_mb,
         )
         if batching_config is not None:
             from tilecast.scheduler.batching_rules import BatchingRules
@@ -168,27 +140,9 @@ def serve(
 
 
 @app.command()
+@O.with_shared_options
 def generate(
-    model_path: O.ModelPath = "tiny/k6sr",
-    model_id: O.ModelId = None,
-    num_gpus: O.NumGpus = 1,
-    tp_size: O.TpSize = None,
-    ulysses_degree: O.UlyssesDegree = None,
-    ring_degree: O.RingDegree = None,
-    device: O.Device = "cuda",
-    dtype: O.Dtype = None,
-    attention_backend: O.AttentionBackend = None,
-    parallel_tiling: O.ParallelTiling = "false",
-    parallel_decode: O.ParallelDecode = "false",
-    parallel_decode_mode: O.ParallelDecodeMode = "spatial_shard",
-    fast_decode: O.FastDecode = "true",
-    heartbeat_timeout_s: O.HeartbeatTimeout = 10.0,
-    stuck_timeout_s: O.StuckTimeout = 300.0,
-    layerwise_offload_components: O.LayerwiseOffload = None,
-    cpu_offload_components: O.CpuOffload = None,
-    dit_offload_prefetch_size: O.DitPrefetch = 1,
-    dit_layerwise_resident_layers: O.DitResidentLayers = 0,
-    use_fsdp_inference: O.UseFsdp = "false",
+    shared: dict,
     video_path: Annotated[Optional[Path], typer.Option("--video-path", help="Source video (SR).")] = None,
     sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
     sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
@@ -206,8 +160,6 @@ def generate(
     output_path: Annotated[Path, typer.Option("--output-path", help="Directory for the result.")] = Path("outputs"),
     output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
     save_frames: Annotated[bool, typer.Option("--save-frames", help="Also save the raw uint8 frames as .npy.")] = False,
-    tile_parallel: O.TileParallel = False,
-    compile_dit: O.Compile = False,
 ) -> None:
     """Run one request offline on the same ranks and pipeline as ``serve``."""
     if not save_output:
@@ -225,16 +177,7 @@ def generate(
         _fail(f"--video-path {video_path} is not a file")
     try:
         config = O.common_config(
-            model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
-            ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
-            attention_backend=attention_backend, parallel_tiling=parallel_tiling, parallel_decode=parallel_decode,
-            parallel_decode_mode=parallel_decode_mode, fast_decode=fast_decode,
-            allowed_video_dir=[video_path.resolve().parent] if video_path else None,
-            heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_path,
-            tile_parallel=tile_parallel, compile=compile_dit,
-            layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
-            dit_offload_prefetch_size=dit_offload_prefetch_size,
-            dit_layerwise_resident_layers=dit_layerwise_resident_layers, use_fsdp_inference=use_fsdp_inference,
+            **shared, allowed_video_dir=[video_path.resolve().parent] if video_path else None, output_dir=output_path,
         )
         _validate_topology(config)
     except ValueError as exc:

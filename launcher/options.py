@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -50,6 +52,46 @@ UseFsdp = Annotated[str, typer.Option("--use-fsdp-inference", help="Shard the Di
 LogLevel = Annotated[str, typer.Option("--log-level", help="Rank 0 log level.")]
 
 
+def _shared(
+    model_path: ModelPath = "tiny/k6sr", model_id: ModelId = None, num_gpus: NumGpus = 1, tp_size: TpSize = None,
+    ulysses_degree: UlyssesDegree = None, ring_degree: RingDegree = None, device: Device = "cuda",
+    dtype: Dtype = None, attention_backend: AttentionBackend = None, parallel_tiling: ParallelTiling = "false",
+    parallel_decode: ParallelDecode = "false", parallel_decode_mode: ParallelDecodeMode = "spatial_shard",
+    fast_decode: FastDecode = "true", heartbeat_timeout_s: HeartbeatTimeout = 10.0,
+    stuck_timeout_s: StuckTimeout = 300.0, layerwise_offload_components: LayerwiseOffload = None,
+    cpu_offload_components: CpuOffload = None, dit_offload_prefetch_size: DitPrefetch = 1,
+    dit_layerwise_resident_layers: DitResidentLayers = 0, use_fsdp_inference: UseFsdp = "false",
+    tile_parallel: TileParallel = False, compile_dit: Compile = False,
+) -> None:
+    """Declares the options ``serve`` and ``generate`` share, with their defaults (``with_shared_options``)."""
+
+
+def shared_options(template: Callable[..., None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator giving typer commands the options declared by ``template``'s signature, before
+    their own; a decorated command takes them as one dict, its parameter ``shared``."""
+    shared = list(inspect.signature(template, eval_str=True).parameters.values())
+    names = [p.name for p in shared]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "shared"]
+
+        @functools.wraps(command)
+        def run(**kwargs):
+            return command(shared={name: kwargs.pop(name) for name in names}, **kwargs)
+
+        parameters = [*shared, *own]
+        run.__signature__ = inspect.Signature(parameters)
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        del run.__wrapped__  # typer must see the combined signature, not the command's own
+        return run
+
+    return decorate
+
+
+with_shared_options = shared_options(_shared)
+"""``serve``'s and ``generate``'s common options (``common_config(**shared, ...)`` takes them)."""
+
+
 def model_num_heads(model_path: str) -> int | None:
     """The DiT's attention heads (None for a built-in without a DiT, such as the test pipelines)."""
     from tilecast.runtime.registry import BUILTIN_MODELS
@@ -66,7 +108,8 @@ def common_config(
     parallel_decode_mode: str, fast_decode: str = "true", allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
     stuck_timeout_s: float, output_dir: Path, layerwise_offload_components: str | None = None,
     cpu_offload_components: str | None = None, dit_offload_prefetch_size: int = 1,
-    dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, **extra,
+    dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, tile_parallel: bool = False,
+    compile_dit: bool = False, **extra,
 ) -> ServeConfig:
     """Build the validated config; ``ValueError`` (shown as a usage error) names the bad value.
 
@@ -93,6 +136,6 @@ def common_config(
         heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
         layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
         dit_offload_prefetch_size=dit_offload_prefetch_size, dit_layerwise_resident_layers=dit_layerwise_resident_layers,
-        use_fsdp_inference=parse_bool(use_fsdp_inference, "--use-fsdp-inference"),
-        **extra,
+        use_fsdp_inference=parse_bool(use_fsdp_inference, "--use-fsdp-inference"), tile_parallel=tile_parallel,
+        compile=compile_dit, **extra,
     )

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from tilecast.launcher.options import shared_options
 from tilecast.runtime import picker
 from tilecast.runtime.topology import num_heads_from_checkpoint
 
@@ -171,8 +172,7 @@ def _print_summary(console: Console, deployment: picker.Deployment) -> None:
         console.print(f"  {key:<13}{escape(value)}")
 
 
-@topology_app.command()
-def check(
+def _selection(
     num_gpus: NumGpus,
     tp_size: TpSize = None,
     ulysses_degree: Ulysses = None,
@@ -188,15 +188,22 @@ def check(
     decode: DecodeOpt = Decode("tiles"),
     scale: ScaleOpt = Scale("2"),
     tile_batch: TileBatchOpt = TileBatch("1"),
-    json_output: JsonOpt = False,
 ) -> None:
+    """Declares the selection ``check`` and ``plan`` take (``shared_options``)."""
+
+
+def _selected(selection: dict) -> picker.Deployment:
+    """The deployment of a ``_selection`` (the model's heads resolved from ``--model-path``)."""
+    options = dict(selection)
+    num_heads = _resolve_heads(options.pop("model_path"), options.pop("num_heads"))
+    return _deployment(num_heads=num_heads, attention=options.pop("attention_backend"), **options)
+
+
+@topology_app.command()
+@shared_options(_selection)
+def check(shared: dict, json_output: JsonOpt = False) -> None:
     """Resolve a selection and list every error, warning and note (exit 1 when invalid)."""
-    deployment = _deployment(
-        num_gpus=num_gpus, tp_size=tp_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
-        num_heads=_resolve_heads(model_path, num_heads), hardware=hardware, attention=attention_backend,
-        placement=placement, offload_components=offload_components, prefetch=prefetch,
-        resident_layers=resident_layers, decode=decode, scale=scale, tile_batch=tile_batch,
-    )
+    deployment = _selected(shared)
     if json_output:
         _print_json(deployment.to_dict())
     else:
@@ -250,32 +257,11 @@ def auto(
 
 
 @topology_app.command()
-def plan(
-    num_gpus: NumGpus,
-    tp_size: TpSize = None,
-    ulysses_degree: Ulysses = None,
-    ring_degree: Ring = None,
-    model_path: ModelPath = None,
-    num_heads: NumHeads = None,
-    attention_backend: AttentionOpt = Attention("platform"),
-    hardware: HardwareOpt = Hardware("gb300"),
-    placement: PlacementOpt = Placement("resident"),
-    offload_components: OffloadOpt = "all",
-    prefetch: PrefetchOpt = 1,
-    resident_layers: ResidentOpt = 0,
-    decode: DecodeOpt = Decode("tiles"),
-    scale: ScaleOpt = Scale("2"),
-    tile_batch: TileBatchOpt = TileBatch("1"),
-    json_output: JsonOpt = False,
-) -> None:
+@shared_options(_selection)
+def plan(shared: dict, json_output: JsonOpt = False) -> None:
     """Print the `tilecast serve` command for a valid selection (command on stdout, warnings on stderr)."""
-    deployment = _deployment(
-        num_gpus=num_gpus, tp_size=tp_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
-        num_heads=_resolve_heads(model_path, num_heads), hardware=hardware, attention=attention_backend,
-        placement=placement, offload_components=offload_components, prefetch=prefetch,
-        resident_layers=resident_layers, decode=decode, scale=scale, tile_batch=tile_batch,
-    )
-    path = model_path or f"/path/to/{picker.DEFAULT_MODEL_NAME}"
+    deployment = _selected(shared)
+    path = shared["model_path"] or f"/path/to/{picker.DEFAULT_MODEL_NAME}"
     if json_output:
         payload = deployment.to_dict()
         payload["argv"] = deployment.serve_argv(path) if deployment.valid else None
