@@ -71,3 +71,18 @@ def test_bench_with_diffusers_peer_reports_every_row_and_ratio(tiny_cache, tmp_p
     for key in ("throughput_ratio", "dynamic_vs_peer_offline_batch", "dynamic_vs_peer_one_at_a_time",
                 "singleton_vs_peer_one_at_a_time"):
         assert report[key] > 0, (key, report[key])
+
+
+def test_compile_is_passed_to_both_servers(monkeypatch):
+    from tilecast.runtime.families import bench_batching
+
+    seen = {}
+
+    def fake(model_path, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(bench_batching, "run_batching_bench", fake)
+    assert _bench("--compile", "--peer", "diffusers").exit_code == 2
+    assert list(seen["extra_serve_args"]) == ["--compile"] and seen["peer"] == "diffusers"
+    assert _bench().exit_code == 2 and list(seen["extra_serve_args"]) == []
