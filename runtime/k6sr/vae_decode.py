@@ -17,8 +17,10 @@ their own pass over memory (about 30%).
 - **``zq`` convolved at latent resolution**: ``conv_y``/``conv_b`` are per-pixel linear maps, so
   they commute with nearest upsampling; the spatial upsampling then happens by broadcasting inside
   the normalisation, never materialised (the temporal one is a gather on the small latent grid);
-- **one copy per causal convolution**: the carried frames are concatenated in front along time
-  (the outermost axis, a plain block copy) and the spatial zero padding is the convolution's own;
+- **causal convolutions read one buffer**: whatever computes a convolution's input (a spatial
+  norm, a frame repeat) writes it into a buffer with room in front for the causal frames (the
+  carried ones, or the first frame repeated), so nothing is concatenated; the spatial zero padding
+  is the convolution's own;
 - **one kernel per spatial norm** on CUDA: RMS norm, modulation and SiLU fused in Triton
   (``kernels/spatial_norm.py``; elsewhere the same ops in PyTorch), writing straight into the
   next causal convolution's input buffer;
@@ -68,11 +70,10 @@ def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
 def conv(x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None,
          *, bias: bool = True) -> torch.Tensor:
     """``layer`` applied to a ``BTHWC`` tensor (``padding`` overrides the layer's own). ``bias=False``
-    leaves a 3-D convolution's bias out, for the caller to add in a pass it makes anyway
-    (``add_bias_``, or the next spatial norm); a 1x1 convolution always adds it (the matrix multiply
-    does, for free)."""
+    leaves the bias out, for the caller to add in a pass it makes anyway (``add_bias_``, or the
+    next spatial norm)."""
     if layer.kernel_size == (1, 1, 1) and layer.stride == (1, 1, 1):
-        return F.linear(x_BTHWC, layer.weight.flatten(1), layer.bias)
+        return F.linear(x_BTHWC, layer.weight.flatten(1), layer.bias if bias else None)
     y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), layer.weight, layer.bias if bias else None, layer.stride,
                        layer.padding if padding is None else padding)
     return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
@@ -160,7 +161,9 @@ class ChannelsLastDecoder:
         return add_bias_(self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first),
                          decoder.conv_out.conv.bias)
 
-    def _causal_input(self, layer: Kandinsky6SRCausalConv3d, like: torch.Tensor, shape=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _causal_input(
+        self, layer: Kandinsky6SRCausalConv3d, like: torch.Tensor, shape: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(buffer, body)``: an empty input of ``layer`` for a ``BTHWC`` tensor of ``shape`` (default
         ``like``'s), ``layer.time_pad`` causal frames in front of ``body``. Whoever computes that
         tensor writes it into ``body`` (no concatenation)."""
