@@ -212,6 +212,22 @@ def test_settings_the_families_do_not_read_are_named_as_ignored():
                          allowed_video_dirs=("/data",))
     config.vae.fast_decode = False
     assert ignored_settings(config.pipeline_options(), honoured) == [
-        "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false", "--compile",
+        "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false",
     ]
     assert ignored_settings(config.pipeline_options(), set(config.pipeline_options())) == []
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
+def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
+    eager, ctx = loaded(name)
+    compiled = FAMILIES[name].load(name, RankContext(
+        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
+        output_dir=tmp_path, options={"dtype": "float32", "compile": True},
+    ))
+    blocks = [m for m in compiled.pipe.transformer.modules()
+              if type(m).__name__ in compiled.pipe.transformer._repeated_blocks]
+    assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+    params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True)
+    expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]
+    got = compiled.run([WorkItem(job_id="compiled", params=params)], ctx)[0].tensors[eager.output_kind]
+    assert (got - expected).abs().max().item() <= 1e-4

@@ -210,7 +210,7 @@ class DiffusersBatchPipeline(Pipeline):
     max_sequence_length: ClassVar[int] = 128
     """Text tokens per prompt passed to diffusers (the tiny encoders need few)."""
     max_batch_size: ClassVar[int] = 16
-    honoured_options: ClassVar[frozenset[str]] = frozenset({"model_id", "dtype"})
+    honoured_options: ClassVar[frozenset[str]] = frozenset({"model_id", "dtype", "compile"})
     """The server options these families read; any other one set away from its default is warned
     about at load as ignored (``config.ignored_settings``)."""
     output_kind: ClassVar[str] = "image"
@@ -243,8 +243,11 @@ class DiffusersBatchPipeline(Pipeline):
 
     @classmethod
     def install_fast_paths(cls, pipe: Any, options: dict[str, Any]) -> None:
-        """Change the loaded diffusers pipeline in place for speed, keeping its function (default:
-        nothing). A family that reads more ``options`` here lists them in ``honoured_options``."""
+        """Change the loaded diffusers pipeline in place for speed, keeping its function. Default:
+        with ``--compile``, diffusers' regional compilation of the transformer's repeated blocks. A
+        family that reads more ``options`` here lists them in ``honoured_options``."""
+        if options.get("compile"):
+            pipe.transformer.compile_repeated_blocks()
 
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
