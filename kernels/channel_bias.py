@@ -7,6 +7,8 @@ most of its convolutions, otherwise in a pass of its own that reads whole channe
 Rounding matches PyTorch's two adds (``y + bias`` is rounded to ``y``'s dtype before the residual).
 
 ``add_bias_`` picks the kernel: Triton on CUDA when it is importable, else ``reference_``.
+
+Shapes: ``y_BTHWC`` (batch, frames, height, width, channels), channels-last; ``bias_C`` (channels).
 """
 
 from __future__ import annotations

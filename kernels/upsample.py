@@ -8,6 +8,8 @@ and can write into a slice of a larger buffer (``out``), such as a causal convol
 
 ``repeat_nearest`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 Both are exact copies: their outputs are equal, bit for bit.
+
+Shapes: ``x_BTHWC`` (batch, frames, height, width, channels), channels-last.
 """
 
 from __future__ import annotations
