@@ -124,14 +124,15 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     size_multiple = 16
     default_guidance = 3.5
     max_sequence_length = 128
-    honoured_options = DiffusersBatchPipeline.honoured_options | {"attention_backend", "compile"}
+    honoured_options = DiffusersBatchPipeline.honoured_options | {"attention_backend"}
 
     @classmethod
     def install_fast_paths(cls, pipe, options) -> None:
+        """tilecast's attention kernel and fused projections (``flux_fast``), then the families' ``--compile``."""
         from tilecast.runtime.families.flux_fast import install_fast_paths
 
-        install_fast_paths(pipe.transformer, backend=options.get("attention_backend"),
-                           compile_blocks=bool(options.get("compile")))
+        install_fast_paths(pipe.transformer, backend=options.get("attention_backend"))
+        super().install_fast_paths(pipe, options)
 
     def guidance_on(self, params) -> bool:
         return False  # guidance-distilled: guidance_scale is an embedding, not CFG

@@ -1,7 +1,7 @@
-"""FLUX's serving fast paths: tilecast's attention kernel, fused projections, compiled blocks.
+"""FLUX's serving fast paths: tilecast's attention kernel and fused projections.
 
-``install_fast_paths(transformer, backend=..., compile_blocks=...)`` changes a loaded
-``FluxTransformer2DModel`` in place, keeping its weights and its function:
+``install_fast_paths(transformer, backend=...)`` changes a loaded ``FluxTransformer2DModel`` in
+place, keeping its weights and its function:
 
 - every ``FluxAttention`` gets a ``FluxDenseAttnProcessor``: diffusers' ``FluxAttnProcessor``
   computation (projections, per-head RMS norms, joint text+image sequence, rotary embedding) with
@@ -10,11 +10,12 @@
   flash kernel, 0.6-0.7x as fast at FLUX's head dim 128);
 - the query/key/value projections of each attention (and the text stream's) become one matrix
   multiply (diffusers' ``fuse_qkv_projections``); the separate weights are then dropped, so the
-  model's memory does not grow;
-- with ``compile_blocks``, the repeated transformer blocks are compiled (diffusers' regional
-  ``compile_repeated_blocks``): Inductor fuses the norms, modulation, rotary embedding, GELU and
-  gated residuals that eager PyTorch runs as separate memory-bound kernels. The first call of a
-  new shape pays the compile; after the first recompile the batch dimension is dynamic.
+  model's memory does not grow.
+
+``--compile`` is the families' own (``DiffusersBatchPipeline.install_fast_paths``), applied after
+these: Inductor then fuses the norms, modulation, rotary embedding, GELU and gated residuals that
+eager PyTorch runs as separate memory-bound kernels. The first call of a new shape pays the
+compile; after the first recompile the batch dimension is dynamic.
 
 Shapes: ``x_BSC`` (batch, tokens, channels), ``q_BSHD`` (batch, tokens, heads, head dim).
 """
@@ -92,8 +93,8 @@ def fuse_projections(transformer: torch.nn.Module) -> int:
     return count
 
 
-def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = None, compile_blocks: bool = False) -> None:
-    """Dense attention processors, fused projections and (optionally) compiled blocks; see the module doc.
+def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = None) -> None:
+    """Dense attention processors and fused projections; see the module doc.
 
     An unknown ``backend``, or one that cannot run on the model's device and dtype, raises here, at
     load, naming the problem (``ValueError`` / ``BackendUnavailableError``).
@@ -108,7 +109,4 @@ def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = No
     if layers == 0:
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention layers")
     fuse_projections(transformer)
-    if compile_blocks:
-        transformer.compile_repeated_blocks()
-    logger.info("FLUX fast paths: attention backend %s on %d layers, fused projections%s", backend or "auto", layers,
-                ", compiled blocks" if compile_blocks else "")
+    logger.info("FLUX fast paths: attention backend %s on %d layers, fused projections", backend or "auto", layers)
