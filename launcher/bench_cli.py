@@ -26,6 +26,15 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
+def _print_rows(rows: list[dict], columns: list[str], title: str, json_out: Optional[Path]) -> None:
+    """Print ``rows`` as a table of ``columns``, then save them as JSON when asked."""
+    table = Table(*columns, title=title)
+    for row in rows:
+        table.add_row(*(_fmt(row.get(c)) for c in columns))
+    console.print(table)
+    _save(rows, json_out)
+
+
 @bench_app.command("k6sr")
 def k6sr(
     workload: Annotated[list[str], typer.Option("--workload", help="small (384x256x33) | large (768x512x121), x2.")] = ["small"],  # noqa: B006
@@ -46,11 +55,7 @@ def k6sr(
                       compile_blocks=compile_blocks)
     columns = ["workload", "side", "e2e_s", *(f"{s}_s" for s in (*STAGES, "other")), "peak_reserved_gib",
                "ratio_vs_diffusers", "psnr_vs_diffusers_db"]
-    table = Table(*columns, title="Kandinsky 6 SR x2, one H200-class GPU")
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c)) for c in columns))
-    console.print(table)
-    _save(rows, json_out)
+    _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)
 
 
 @bench_app.command("attention")
@@ -104,12 +109,8 @@ def step(
         raise typer.BadParameter(str(exc)) from exc
     columns = ["batch", "tflop", "diffusers_ms", "tilecast_ms", "ratio", "tilecast_ms_per_image", "diffusers_tflops",
                "tilecast_tflops", "tilecast_warmup_s", "max_rel_diff"]
-    table = Table(*columns, title=f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
-                                  f"{', compiled' if compile_blocks else ''}")
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c)) for c in columns))
-    console.print(table)
-    _save(rows, json_out)
+    _print_rows(rows, columns, f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
+                               f"{', compiled' if compile_blocks else ''}", json_out)
 
 
 @bench_app.command("batching")
