@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from tilecast.kernels.spatial_norm import triton_available
+from tilecast.kernels.spatial_norm import row_tiling, triton_available
 
 
 def reference_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
@@ -50,7 +50,7 @@ def _triton_kernel():
             y = (y.to(tl.float32) + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(y_ptr + offsets, y, mask=mask)
 
-    return triton, kernel
+    return kernel
 
 
 def triton_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
@@ -59,12 +59,11 @@ def triton_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
     if bias_C is None or not y_BTHWC.is_contiguous() or (residual_BTHWC is not None and (
             not residual_BTHWC.is_contiguous() or residual_BTHWC.shape != y_BTHWC.shape)):
         return reference_(y_BTHWC, bias_C, residual_BTHWC)
-    triton, kernel = _triton_kernel()
+    kernel = _triton_kernel()
     channels = y_BTHWC.shape[-1]
     num_rows = y_BTHWC.numel() // channels
-    block_c = triton.next_power_of_2(channels)
-    rows = max(1, 4096 // block_c)
-    kernel[(triton.cdiv(num_rows, rows),)](
+    grid, block_c, rows = row_tiling(num_rows, channels)
+    kernel[grid](
         y_BTHWC, bias_C.contiguous(), y_BTHWC if residual_BTHWC is None else residual_BTHWC, num_rows, channels,
         HAS_RESIDUAL=residual_BTHWC is not None, BLOCK_C=block_c, ROWS=rows, num_warps=4,
     )

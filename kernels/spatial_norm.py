@@ -40,6 +40,20 @@ def reference(
     return result if out is None else out.copy_(result)
 
 
+ROW_BLOCK_ELEMENTS = 4096
+"""Elements one program of a channels-last row kernel handles (whole channel rows)."""
+
+
+def row_tiling(num_rows: int, channels: int) -> tuple[tuple[int], int, int]:
+    """``(grid, BLOCK_C, ROWS)`` of the channels-last row kernels (here, ``upsample``,
+    ``channel_bias``): one program per ``ROWS`` pixels, each a whole channel row padded to a power of two."""
+    import triton
+
+    block_c = triton.next_power_of_2(channels)
+    rows = max(1, ROW_BLOCK_ELEMENTS // block_c)
+    return (triton.cdiv(num_rows, rows),), block_c, rows
+
+
 @functools.cache
 def _triton_kernel():
     import triton
@@ -79,7 +93,7 @@ def _triton_kernel():
         m = (m + b).to(dtype).to(tl.float32)
         tl.store(out_ptr + offsets, (m / (1.0 + tl.exp(-m))).to(dtype), mask=mask)
 
-    return triton, kernel
+    return kernel
 
 
 def triton_fused(
@@ -89,14 +103,13 @@ def triton_fused(
     """``reference`` in one Triton kernel (CUDA tensors), written straight into ``out`` when it is contiguous."""
     if out is not None and not out.is_contiguous():
         return out.copy_(triton_fused(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, h_bias_C=h_bias_C))
-    triton, kernel = _triton_kernel()
+    kernel = _triton_kernel()
     h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
     batch, frames, height, width, channels = h_BTHWC.shape
     out = torch.empty_like(h_BTHWC) if out is None else out
     num_rows = h_BTHWC.numel() // channels
-    block_c = triton.next_power_of_2(channels)
-    rows = max(1, 4096 // block_c)
-    kernel[(triton.cdiv(num_rows, rows),)](
+    grid, block_c, rows = row_tiling(num_rows, channels)
+    kernel[grid](
         h_BTHWC, gamma_C if h_bias_C is None else h_bias_C.contiguous(), gamma_C.contiguous(), y_BTHWC, b_BTHWC, out,
         float(scale), num_rows, channels, height, width, height // rh, width // rw, rh, rw,
         HAS_BIAS=h_bias_C is not None, BLOCK_C=block_c, ROWS=rows, num_warps=8 if block_c >= 1024 else 4,

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from tilecast.kernels.spatial_norm import triton_available
+from tilecast.kernels.spatial_norm import row_tiling, triton_available
 
 
 def output_shape(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int) -> tuple[int, ...]:
@@ -63,7 +63,7 @@ def _triton_kernel():
         values = tl.load(x_ptr + source[:, None] * channels + cols[None, :], mask=mask)
         tl.store(out_ptr + rows[:, None] * channels + cols[None, :], values, mask=mask)
 
-    return triton, kernel
+    return kernel
 
 
 def triton_repeat(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0,
@@ -74,14 +74,13 @@ def triton_repeat(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
     if out is not None and not out.is_contiguous():
         return out.copy_(triton_repeat(x_BTHWC, rt, rh, rw, drop))
-    triton, kernel = _triton_kernel()
+    kernel = _triton_kernel()
     x_BTHWC = x_BTHWC.contiguous()
     out = x_BTHWC.new_empty(shape) if out is None else out
     _, frames, height, width, channels = x_BTHWC.shape
     num_rows = out.numel() // channels
-    block_c = triton.next_power_of_2(channels)
-    rows = max(1, 4096 // block_c)
-    kernel[(triton.cdiv(num_rows, rows),)](
+    grid, block_c, rows = row_tiling(num_rows, channels)
+    kernel[grid](
         x_BTHWC, out, num_rows, channels, frames, height, width, shape[1], shape[2], shape[3], rt, rh, rw, drop,
         BLOCK_C=block_c, ROWS=rows, num_warps=4,
     )
