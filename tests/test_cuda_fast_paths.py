@@ -16,6 +16,7 @@ Tolerances, on the tiny checkpoint's float video in [-1, 1]:
   below diffusers' own bf16 decode;
 - the Triton nearest repeat vs its PyTorch copy, and the Triton bias (+ residual) add vs PyTorch's
   two adds: bit-exact;
+- the Triton PiFlow step vs diffusers' ``PiflowScheduler.step`` on the GPU: bit-exact;
 - FLUX's fast paths (``families.flux_fast``: tilecast's attention kernel, fused projections,
   optionally compiled blocks) vs diffusers' transformer on one tiny/flux step: fp32 max difference
   at most 5e-3 of the output's scale; bf16 PSNR against diffusers' fp32 at most 1 dB below
@@ -194,3 +195,26 @@ def test_triton_bias_add_is_pytorchs_two_adds(channels, with_residual):
     bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(y) if with_residual else None
     assert torch.equal(triton_(y.clone(), bias, residual), reference_(y.clone(), bias, residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_steps, config, shape", [
+    (2, {}, (1, 31, 32, 48, 64)),  # one large K6 SR tile, the released schedule
+    (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}, (2, 3, 5, 7, 24)),
+])
+def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
+    from diffusers import PiflowScheduler
+
+    from tilecast.kernels import piflow
+    from tilecast.runtime.k6sr.stages import piflow_schedule
+
+    scheduler = PiflowScheduler(**config)
+    scheduler.set_timesteps(num_steps, device="cuda")
+    schedule = piflow_schedule(scheduler, num_steps)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for index, timestep in enumerate(scheduler.timesteps):
+        sample = torch.randn(shape, generator=generator, device="cuda").to(dtype)
+        output = torch.randn((*shape[:-1], shape[-1] * scheduler.n_grid), generator=generator, device="cuda").to(dtype)
+        expected = scheduler.step(output, timestep, sample, return_dict=False)[0]
+        got = piflow.triton_rollout(sample, output, schedule[index])
+        assert torch.equal(got, expected), f"step {index}: max diff {(got.float() - expected.float()).abs().max()}"

@@ -1,9 +1,10 @@
 """The compute stages of Kandinsky 6 video super-resolution, one function each.
 
 ``upscale_video`` chains them: input frames → encode (K-VAE) → latent upscale (per tile) → tile
-plan → denoise (DiT + PiFlow, ``tiles_batch_size`` tiles per call) → decode (serially, one tile
-chunk at a time) → Hann blend. It returns the float video before any quantisation or MP4
-encoding, so tests compare it with diffusers' ``Kandinsky6SRPipeline``.
+plan → denoise (DiT + PiFlow, ``tiles_batch_size`` tiles per call; PiFlow's step runs as one
+kernel, ``kernels/piflow.py``, and each chunk's CPU noise is drawn ahead on a thread,
+``NoiseAhead``) → decode (serially, one tile chunk at a time) → Hann blend. It returns the float
+video before any quantisation or MP4 encoding, so tests compare it with diffusers' ``Kandinsky6SRPipeline``.
 
 Numerics follow diffusers' pipeline step by step (pixel normalisation, the K-VAE's ``/128``
 convention, variance-preserving noise with ``lq_noise_scale = 0.7``, the zero anchor channels),
@@ -23,11 +24,13 @@ import dataclasses
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from tilecast.kernels import piflow
 from tilecast.runtime.k6sr.loading import K6SRComponents
 from tilecast.runtime.k6sr.tiling import (
     TileBlender,
@@ -193,10 +196,79 @@ def chunk_starts(num_tiles: int, tiles_batch_size: int) -> list[range]:
     return [range(start, min(start + tiles_batch_size, num_tiles)) for start in range(0, num_tiles, tiles_batch_size)]
 
 
-def chunk_noise(shape, seed: int, first_tile: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Noise of one chunk: a CPU generator seeded ``seed + first_tile``, drawn like diffusers' ``randn_tensor``."""
+def draw_chunk_noise(shape, seed: int, first_tile: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """Noise of one chunk on the CPU: a generator seeded ``seed + first_tile``, drawn like diffusers'
+    ``randn_tensor`` (``torch.randn`` is ``normal_`` into a new tensor; here, pinned if ``pin``)."""
     generator = torch.Generator(device="cpu").manual_seed(seed + first_tile)
-    return torch.randn(shape, generator=generator, device="cpu", dtype=dtype).to(device)
+    return torch.empty(shape, dtype=dtype, pin_memory=pin).normal_(generator=generator)
+
+
+def chunk_noise(shape, seed: int, first_tile: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``draw_chunk_noise`` on ``device``."""
+    return draw_chunk_noise(shape, seed, first_tile, dtype).to(device)
+
+
+class NoiseAhead:
+    """The noise of a rank's chunks, each drawn on a worker thread while the chunk before it is
+    denoised. One large tile's draw takes ~0.1 s of one CPU core, which the GPU would otherwise wait
+    for. The values are ``chunk_noise``'s; on CUDA they are drawn into pinned memory and copied
+    without a device sync. ``take`` must be called in ``order``."""
+
+    def __init__(self, tiles_NCTHW: torch.Tensor, ranges: list[range], order: list[int], settings: SRSettings,
+                 device: torch.device) -> None:
+        self._pin = torch.device(device).type == "cuda"
+        self._device, self._dtype, self._seed = device, tiles_NCTHW.dtype, settings.seed
+        self._tile_shape = tuple(tiles_NCTHW.shape[i] for i in (2, 3, 4, 1))  # the DiT's T, H, W, C
+        self._ranges, self._order = ranges, list(order)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilecast-noise")
+        self._pending = self._submit(0)
+
+    def _submit(self, position: int) -> Future | None:
+        if position >= len(self._order):
+            return None
+        indices = self._ranges[self._order[position]]
+        shape = (len(indices), *self._tile_shape)
+        return self._pool.submit(draw_chunk_noise, shape, self._seed, indices.start, self._dtype, pin=self._pin)
+
+    def take(self, chunk: int) -> torch.Tensor:
+        """The noise of ``chunk`` (the next one in ``order``) on the device; starts drawing the one after."""
+        if not self._order or self._order[0] != chunk:
+            raise RuntimeError(f"NoiseAhead: chunk {chunk} taken out of order (next: {self._order[:1]})")
+        self._order.pop(0)
+        noise = self._pending.result()
+        self._pending = self._submit(0)
+        return noise.to(self._device, non_blocking=self._pin)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "NoiseAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def piflow_schedule(scheduler, num_inference_steps: int) -> list[piflow.PiflowStep] | None:
+    """Each step's PiFlow schedule as ``kernels.piflow.PiflowStep``, or ``None`` when ``scheduler`` is
+    not diffusers' ``PiflowScheduler`` (then ``scheduler.step`` runs). A CPU copy of the scheduler
+    computes the schedule (float32, like the device copy), so reading it never waits for the GPU."""
+    from diffusers import PiflowScheduler
+
+    if type(scheduler) is not PiflowScheduler:
+        return None
+    twin = PiflowScheduler.from_config(scheduler.config)
+    twin.set_timesteps(num_inference_steps, device="cpu")
+    raw = [float(value) for value in twin._piflow_raw_timesteps]
+    raw.append(float(torch.tensor(twin.eps, dtype=torch.float32)))  # diffusers' end point of the last step
+    return [
+        piflow.PiflowStep(
+            sigma_src=float(twin.sigmas[index]), raw_src=raw[index], raw_dst=raw[index + 1],
+            shift=float(twin.config.shift), eps=twin.eps, n_grid=twin.n_grid,
+            num_policy_substeps=twin.num_policy_substeps,
+        )
+        for index in range(num_inference_steps)
+    ]
 
 
 def denoise_chunk(
@@ -207,21 +279,29 @@ def denoise_chunk(
     first_tile: int,
     num_inference_steps: int,
     on_step: Callable[[], None] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Denoise one chunk of tiles (channels-last); returns the final ``latents_BTHWC``."""
+    """Denoise one chunk of tiles (channels-last); returns the final ``latents_BTHWC``. ``noise``:
+    the chunk's ``chunk_noise`` when drawn ahead (``NoiseAhead``). A ``PiflowScheduler`` steps
+    through ``kernels.piflow.rollout`` (its step, bit for bit, in one kernel on CUDA)."""
     dtype, device = parts.dtype, parts.device
     scheduler = type(parts.scheduler).from_config(parts.scheduler.config)
-    noise = chunk_noise(lq_BTHWC.shape, seed, first_tile, dtype, device)
+    if noise is None:
+        noise = chunk_noise(lq_BTHWC.shape, seed, first_tile, dtype, device)
     latents = math.sqrt(1 - LQ_NOISE_SCALE**2) * lq_BTHWC + LQ_NOISE_SCALE * noise
     scheduler.set_timesteps(num_inference_steps, device=device)
+    policy = piflow_schedule(scheduler, num_inference_steps)
     with on_device(parts.transformer):
-        for t in scheduler.timesteps:
+        for index, t in enumerate(scheduler.timesteps):
             # Input is [latent | anchor latent | anchor mask]; the released checkpoints are anchor-free (zeros).
             anchor = torch.zeros_like(latents)
             anchor_mask = torch.zeros((*latents.shape[:-1], 1), dtype=dtype, device=device)
             model_input = torch.cat([latents, anchor, anchor_mask], dim=-1)
             prediction = parts.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False)[0]
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+            if policy is not None:
+                latents = piflow.rollout(latents, prediction, policy[index])
+            else:
+                latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
             if on_step is not None:
                 on_step()
     return latents
@@ -229,7 +309,7 @@ def denoise_chunk(
 
 def denoise_tile_range(
     parts: K6SRComponents, tiles_NCTHW: torch.Tensor, indices: range, settings: SRSettings,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[], None] | None = None, noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Denoise the tiles ``indices`` of ``tiles_NCTHW`` in one chunk: their ``latents_BCTHW``."""
     latents_BTHWC = denoise_chunk(
@@ -239,6 +319,7 @@ def denoise_tile_range(
         first_tile=indices.start,
         num_inference_steps=settings.num_inference_steps,
         on_step=on_step,
+        noise=noise,
     )
     return latents_BTHWC.permute(0, 4, 1, 2, 3)
 
@@ -252,9 +333,13 @@ def denoise_tiles(
     """Denoise all tiles, ``settings.tiles_batch_size`` per DiT call; ``[(tile indices, latents_BCTHW)]``."""
     chunks = chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
     step = StepCounter(len(chunks) * settings.num_inference_steps, on_progress)
-
-    with on_device(parts.transformer):  # component offload: moved once for all chunks
-        return [(indices, denoise_tile_range(parts, tiles_NCTHW, indices, settings, step)) for indices in chunks]
+    order = list(range(len(chunks)))
+    # component offload: the transformer moves once for all chunks
+    with on_device(parts.transformer), NoiseAhead(tiles_NCTHW, chunks, order, settings, parts.device) as noises:
+        return [
+            (indices, denoise_tile_range(parts, tiles_NCTHW, indices, settings, step, noise=noises.take(chunk)))
+            for chunk, indices in enumerate(chunks)
+        ]
 
 
 def decode_and_blend(

@@ -238,15 +238,18 @@ def denoise_decode_tile_parallel(
 
     ranges = stages.chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
     serial = group_size(group) == unit_size or len(ranges) == 1  # one unit or one chunk: no gather
-    own_chunks = len(ranges) if serial else len(unit_chunks(len(ranges), group, unit_size))
-    step = stages.StepCounter(max(1, own_chunks * settings.num_inference_steps), on_progress)
+    own = list(range(len(ranges))) if serial else unit_chunks(len(ranges), group, unit_size)
+    step = stages.StepCounter(max(1, len(own) * settings.num_inference_steps), on_progress)
 
-    def produce(chunk: int) -> torch.Tensor:
-        return decode(stages.denoise_tile_range(parts, tiles_NCTHW, ranges[chunk], settings, step))
+    with stages.NoiseAhead(tiles_NCTHW, ranges, own, settings, parts.device) as noises:
 
-    if serial:
-        decoded = ((ranges[chunk], produce(chunk)) for chunk in range(len(ranges)))
-        return decode_serial(lambda video: video, decoded, plan, num_frames, device=parts.device)
-    return blend_rounds(
-        produce, ranges, plan, num_frames, group=group, device=parts.device, overlap=True, unit_size=unit_size
-    )
+        def produce(chunk: int) -> torch.Tensor:
+            noise = noises.take(chunk)
+            return decode(stages.denoise_tile_range(parts, tiles_NCTHW, ranges[chunk], settings, step, noise=noise))
+
+        if serial:
+            decoded = ((ranges[chunk], produce(chunk)) for chunk in own)
+            return decode_serial(lambda video: video, decoded, plan, num_frames, device=parts.device)
+        return blend_rounds(
+            produce, ranges, plan, num_frames, group=group, device=parts.device, overlap=True, unit_size=unit_size
+        )
