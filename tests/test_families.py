@@ -209,10 +209,11 @@ def test_settings_the_families_do_not_read_are_named_as_ignored():
     assert ignored_settings({"vae": {}}, honoured) == []
     # Every server option is covered, not a hand-kept list: a setting added later is caught too.
     config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, dtype="bfloat16",
-                         allowed_video_dirs=("/data",))
+                         allowed_video_dirs=("/data",), quantize="fp8")
     config.vae.fast_decode = False
     assert ignored_settings(config.pipeline_options(), honoured) == [
         "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false",
+        "--quantize fp8",
     ]
     assert ignored_settings(config.pipeline_options(), set(config.pipeline_options())) == []
 

@@ -4,16 +4,18 @@ One model is built (the family's ``build_diffusers``: for ``random/flux`` the re
 seeded random weights). The step's inputs come from the pipeline's own ``encode_prompt`` and
 ``prepare_latents`` at the requested size, ``batch`` distinct prompts. The transformer's forward
 is timed as diffusers ships it (eager, PyTorch's default SDPA); then tilecast's fast paths are
-installed on the same object (``install_fast_paths``: its attention kernel, fused projections and,
-with ``compile_blocks``, compiled blocks) and the same inputs are timed again. Each side is warmed
+installed on the same object (``install_fast_paths``: its attention kernel, fused projections,
+with ``quantize`` FP8 linear layers, and with ``compile_blocks`` compiled blocks) and the same inputs are timed again. Each side is warmed
 up first (the compile is in tilecast's warm-up, reported as ``warmup_s``). Reported per batch
 size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by PyTorch's
 ``FlopCounterMode`` on one step), tilecast / diffusers, and the largest difference between the
-two sides' outputs relative to the output's scale.
+two sides' outputs relative to the output's scale, and their PSNR (peak: the reference's largest
+magnitude).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -65,6 +67,12 @@ def time_step(transformer, inputs: dict, *, warmup: int, iters: int) -> tuple[fl
     return warmup_s, (time.perf_counter() - began) / iters * 1e3, out
 
 
+def psnr_db(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR of ``out`` against ``reference``, peak the reference's largest magnitude (inf if equal)."""
+    mse = (out - reference).square().mean().item()
+    return float("inf") if mse == 0 else 10 * math.log10(reference.abs().max().item() ** 2 / mse)
+
+
 def count_flops(transformer, inputs: dict) -> int:
     with FlopCounterMode(display=False) as counter:
         transformer(**inputs)
@@ -73,7 +81,8 @@ def count_flops(transformer, inputs: dict) -> int:
 
 def run_step_bench(
     model_path: str, *, width: int, height: int, batch_sizes: list[int], device: str, dtype: str,
-    compile_blocks: bool, attention_backend: str | None = None, warmup: int = 3, iters: int = 10,
+    compile_blocks: bool, attention_backend: str | None = None, quantize: str | None = None, warmup: int = 3,
+    iters: int = 10,
 ) -> list[dict[str, Any]]:
     """One row per batch size (see the module doc). ``ValueError`` names a bad argument."""
     family = resolve_pipeline(model_path)
@@ -96,7 +105,9 @@ def run_step_bench(
             rows.append(dict(model=model_path, width=width, height=height, batch=batch, dtype=dtype,
                              tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12, diffusers_ms=ms,
                              diffusers_warmup_s=warmup_s, reference=out))
-        family.install_fast_paths(pipe, {"attention_backend": attention_backend, "compile": compile_blocks})
+        family.install_fast_paths(
+            pipe, {"attention_backend": attention_backend, "compile": compile_blocks, "quantize": quantize}
+        )
         for row in rows:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
             reference = row.pop("reference").float()
@@ -105,5 +116,6 @@ def run_step_bench(
                 diffusers_ms_per_image=row["diffusers_ms"] / row["batch"], tilecast_ms_per_image=ms / row["batch"],
                 diffusers_tflops=row["tflop"] / row["diffusers_ms"] * 1e3, tilecast_tflops=row["tflop"] / ms * 1e3,
                 max_rel_diff=((out.float() - reference).abs().max() / reference.abs().max()).item(),
+                psnr_db=psnr_db(out.float(), reference),
             )
     return rows

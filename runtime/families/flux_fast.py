@@ -12,6 +12,13 @@ place, keeping its weights and its function:
   multiply (diffusers' ``fuse_qkv_projections``); the separate weights are then dropped, so the
   model's memory does not grow.
 
+With ``quantize="fp8"`` (``--quantize fp8``, opt-in), the blocks' linear layers (fused QKV,
+output, feed-forward and single-block projections) become ``tilecast.kernels.fp8.Fp8Linear``: FP8
+tensor cores at about twice the bf16 rate, at the cost of a few percent of each layer's output
+(see that module). The modulation layers (one row per image, memory-bound: FP8 compute gains
+nothing there and their scales and gates steer every token), the embedders and the final
+projection stay in the model's dtype.
+
 ``--compile`` is the families' own (``DiffusersBatchPipeline.install_fast_paths``), applied after
 these: Inductor then fuses the norms, modulation, rotary embedding, GELU and gated residuals that
 eager PyTorch runs as separate memory-bound kernels. The first call of a new shape pays the
@@ -23,12 +30,15 @@ Shapes: ``x_BSC`` (batch, tokens, channels), ``q_BSHD`` (batch, tokens, heads, h
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention, _get_qkv_projections
 
+from tilecast.kernels import fp8
 from tilecast.kernels.attention import attention, resolve_backend
+from tilecast.runtime.config import QUANTIZE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +103,30 @@ def fuse_projections(transformer: torch.nn.Module) -> int:
     return count
 
 
-def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = None) -> None:
-    """Dense attention processors and fused projections; see the module doc.
+_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
+_MODULATION = re.compile(r"\.norm1?(_context)?\.linear$")
+"""``AdaLayerNormZero(Single)``'s linear layer inside a block: ``norm1``, ``norm1_context``, ``norm``."""
 
-    An unknown ``backend``, or one that cannot run on the model's device and dtype, raises here, at
-    load, naming the problem (``ValueError`` / ``BackendUnavailableError``).
+
+def quantize_blocks(transformer: torch.nn.Module) -> int:
+    """FP8 linear layers in the blocks, except the modulation layers (see the module doc); returns how many."""
+    return fp8.quantize_linears(
+        transformer, keep=lambda name: not name.startswith(_BLOCKS) or bool(_MODULATION.search(name))
+    )
+
+
+def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None) -> None:
+    """Dense attention processors, fused projections and, with ``quantize``, FP8 blocks; see the module doc.
+
+    An unknown ``backend`` or ``quantize``, or one that cannot run on the model's device and dtype,
+    raises here, at load, naming the problem (``ValueError`` / ``BackendUnavailableError``).
     """
     weight = next(transformer.parameters())
     resolve_backend(backend, weight.device, weight.dtype)
+    if quantize is not None:
+        if quantize not in QUANTIZE_MODES:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+        fp8.check_supported(weight.device)
     layers = 0
     for module in transformer.modules():
         if isinstance(module, FluxAttention):
@@ -109,4 +135,6 @@ def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = No
     if layers == 0:
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention layers")
     fuse_projections(transformer)
-    logger.info("FLUX fast paths: attention backend %s on %d layers, fused projections", backend or "auto", layers)
+    quantized = quantize_blocks(transformer) if quantize == "fp8" else 0
+    logger.info("FLUX fast paths: attention backend %s on %d layers, fused projections%s", backend or "auto", layers,
+                f", {quantized} FP8 linear layers" if quantized else "")

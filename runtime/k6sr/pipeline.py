@@ -103,6 +103,9 @@ class K6SRPipeline(Pipeline):
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "K6SRPipeline":
         options = ctx.options
+        if options.get("quantize"):
+            raise ValueError(f"--quantize {options['quantize']} is not available for Kandinsky 6 SR: its DiT is "
+                             "attention-bound, so its linear layers run in --dtype")
         dtype = parse_dtype(options.get("dtype"))
         video_io.require_encoders()
         if model_path == TINY_MODEL:
