@@ -128,14 +128,11 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
 
     @classmethod
     def install_fast_paths(cls, pipe, options) -> None:
-        """tilecast's attention kernel, fused projections and ``--quantize`` (``flux_fast``), T5's
-        attention on a fused kernel (``t5_attention``), then the families' ``--compile``, which here
-        compiles the VAE decoder too."""
-        from tilecast.runtime.families import t5_attention
+        """tilecast's attention kernel, fused projections and ``--quantize`` (``flux_fast``), then the
+        families' ``--compile``, which here compiles the VAE decoder too."""
         from tilecast.runtime.families.flux_fast import install_fast_paths
 
         install_fast_paths(pipe.transformer, backend=options.get("attention_backend"), quantize=options.get("quantize"))
-        t5_attention.install(pipe.text_encoder_2)
         super().install_fast_paths(pipe, options)
         if options.get("compile"):
             pipe.vae.decoder.compile()  # a batch of 16 512x512 decodes: 0.21 s eager, 0.10 s compiled (H200)
