@@ -5,12 +5,12 @@ seeded random weights). The step's inputs come from the pipeline's own ``encode_
 ``prepare_latents`` at the requested size, ``batch`` distinct prompts. The transformer's forward
 is timed as diffusers ships it (eager, PyTorch's default SDPA); then tilecast's fast paths are
 installed on the same object (``install_fast_paths``: its attention kernel, fused projections,
-with ``quantize`` FP8 linear layers, and with ``compile_blocks`` compiled blocks) and the same inputs are timed again. Each side is warmed
-up first (the compile is in tilecast's warm-up, reported as ``warmup_s``). Reported per batch
-size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by PyTorch's
-``FlopCounterMode`` on one step), tilecast / diffusers, and the largest difference between the
-two sides' outputs relative to the output's scale, and their PSNR (peak: the reference's largest
-magnitude).
+with ``quantize`` FP8 linear layers, with ``compile_blocks`` compiled blocks) and the same inputs
+are timed again. Each side is warmed up first (the compile is in tilecast's warm-up, reported as
+``warmup_s``). Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s
+(FLOPs counted by PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two
+sides' outputs compared: the largest difference relative to the output's scale, and the PSNR
+(peak: the reference's largest magnitude).
 """
 
 from __future__ import annotations

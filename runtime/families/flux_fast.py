@@ -115,7 +115,9 @@ def quantize_blocks(transformer: torch.nn.Module) -> int:
     )
 
 
-def install_fast_paths(transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None) -> None:
+def install_fast_paths(
+    transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None
+) -> None:
     """Dense attention processors, fused projections and, with ``quantize``, FP8 blocks; see the module doc.
 
     An unknown ``backend`` or ``quantize``, or one that cannot run on the model's device and dtype,
