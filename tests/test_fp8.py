@@ -136,3 +136,25 @@ def test_bench_step_reports_the_fp8_difference(tiny_cache):
     (row,) = run_step_bench("tiny/flux", width=32, height=32, batch_sizes=[2], device="cpu", dtype="float32",
                             compile_blocks=False, quantize="fp8", warmup=1, iters=1)
     assert 0 < row["max_rel_diff"] <= 0.05 and 45.0 <= row["psnr_db"] < float("inf")
+
+
+def test_generate_passes_quantize_to_the_flux_pipeline(tiny_cache, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tilecast.launcher.cli import app
+    from tilecast.runtime.families import flux_fast
+
+    counts, quantize = [], flux_fast.quantize_blocks
+
+    def counted(transformer):
+        counts.append(quantize(transformer))
+        return counts[-1]
+
+    monkeypatch.setattr(flux_fast, "quantize_blocks", counted)
+    result = CliRunner().invoke(app, [
+        "generate", "--model-path", "tiny/flux", "--device", "cpu", "--quantize", "fp8", "--prompt", "a red boat",
+        "--width", "32", "--height", "32", "--output-path", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert counts == [11]
+    assert (tmp_path / "flux_seed42.png").stat().st_size > 0
