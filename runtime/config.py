@@ -16,6 +16,12 @@ QUANTIZE_MODES = ("fp8",)
 PARALLEL_DECODE_MODES = ("spatial_shard",)
 
 
+def check_quantize(value: str | None) -> None:
+    """Raise ``ValueError`` naming a ``--quantize`` value that is not one of ``QUANTIZE_MODES``."""
+    if value is not None and value not in QUANTIZE_MODES:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
+
+
 def default_dtype(device: str) -> str:
     """The compute dtype when ``--dtype`` is not given: bfloat16 on CUDA, float32 on CPU."""
     return "bfloat16" if device == "cuda" else "float32"
@@ -137,8 +143,7 @@ class ServeConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
-            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
+        check_quantize(self.quantize)
         if self.batching_mode not in ("off", "dynamic"):
             raise ValueError(f"--batching-mode must be off or dynamic, got {self.batching_mode!r}")
         if self.batching_delay_ms < 0:

@@ -38,7 +38,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttention, _get_q
 
 from tilecast.kernels import fp8
 from tilecast.kernels.attention import attention, resolve_backend
-from tilecast.runtime.config import QUANTIZE_MODES
+from tilecast.runtime.config import check_quantize
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +125,8 @@ def install_fast_paths(
     """
     weight = next(transformer.parameters())
     resolve_backend(backend, weight.device, weight.dtype)
+    check_quantize(quantize)
     if quantize is not None:
-        if quantize not in QUANTIZE_MODES:
-            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
         fp8.check_supported(weight.device)
     layers = 0
     for module in transformer.modules():
