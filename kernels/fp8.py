@@ -78,6 +78,16 @@ class Fp8Linear(nn.Module):
         )
         return y_MN.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``forward`` computes, in float32: the product of the dequantized operands plus the
+        bias, before the output rounding (the tests' yardstick)."""
+        x_q_MK, x_scale_M1 = quantize_rows(x.reshape(-1, self.in_features))
+        weight_NK = self.weight_q_NK.float() * self.weight_scale_1N.t()
+        y_MN = (x_q_MK.float() * x_scale_M1) @ weight_NK.t()
+        if self.bias is not None:
+            y_MN = y_MN + self.bias.float()
+        return y_MN.reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
