@@ -166,16 +166,14 @@ def _flux_step(dtype, fast: bool, compile_blocks: bool = False, quantize: str | 
 def test_flux_fast_paths_match_diffusers(compile_blocks):
     """fp32: within 5e-3 relative to the output's scale; bf16 (cuDNN attention there): PSNR against
     diffusers' fp32 at most 1 dB below diffusers' own bf16."""
+    from tilecast.runtime.families.bench_step import psnr_db
+
     reference = _flux_step(torch.float32, fast=False)
     ours = _flux_step(torch.float32, fast=True, compile_blocks=compile_blocks)
     assert ((ours - reference).abs().max() / reference.abs().max()).item() <= 5e-3
 
-    def psnr(x):
-        scale = reference.abs().max().item()
-        return 10 * torch.log10(scale**2 / ((x - reference) ** 2).mean()).item()
-
-    fast_bf16 = psnr(_flux_step(torch.bfloat16, fast=True, compile_blocks=compile_blocks))
-    peer_bf16 = psnr(_flux_step(torch.bfloat16, fast=False))
+    fast_bf16 = psnr_db(_flux_step(torch.bfloat16, fast=True, compile_blocks=compile_blocks), reference)
+    peer_bf16 = psnr_db(_flux_step(torch.bfloat16, fast=False), reference)
     print(f"FLUX step bf16 vs fp32 PSNR: tilecast {fast_bf16:.2f} dB, diffusers {peer_bf16:.2f} dB")
     assert fast_bf16 >= peer_bf16 - 1.0, (fast_bf16, peer_bf16)
 
