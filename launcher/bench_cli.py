@@ -93,6 +93,7 @@ def step(
     compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile tilecast's transformer blocks (compile time is in the warm-up).")] = False,
     attention_backend: Annotated[Optional[str], typer.Option("--attention-backend", help="tilecast's attention kernel (default: the fastest).")] = None,
     quantize: Annotated[Optional[str], typer.Option("--quantize", help="fp8: tilecast's blocks with FP8 linear layers (diffusers' side stays in --dtype).")] = None,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Replay tilecast's forward as a CUDA graph (captured in the warm-up).")] = False,
     iters: Annotated[int, typer.Option("--iters")] = 10,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
@@ -105,13 +106,14 @@ def step(
     try:  # a ValueError names the bad option
         rows = run_step_bench(model_path, width=width, height=height, batch_sizes=list(batch_size), device=device,
                               dtype=dtype, compile_blocks=compile_blocks, attention_backend=attention_backend,
-                              quantize=quantize, iters=iters)
+                              quantize=quantize, cuda_graphs=cuda_graphs, iters=iters)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     columns = ["batch", "tflop", "diffusers_ms", "tilecast_ms", "ratio", "tilecast_ms_per_image", "diffusers_tflops",
                "tilecast_tflops", "tilecast_warmup_s", "max_rel_diff", "psnr_db"]
     _print_rows(rows, columns, f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
-                               f"{', compiled' if compile_blocks else ''}{f', {quantize}' if quantize else ''}", json_out)
+                               f"{', compiled' if compile_blocks else ''}{f', {quantize}' if quantize else ''}"
+                               f"{', CUDA graphs' if cuda_graphs else ''}", json_out)
 
 
 @bench_app.command("batching")
@@ -130,6 +132,7 @@ def batching(
     peer: Annotated[str, typer.Option("--peer", help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.")] = "none",
     compile_blocks: Annotated[bool, typer.Option("--compile", help="Serve with --compile (the peer stays eager, as diffusers ships).")] = False,
     quantize: Annotated[Optional[str], typer.Option("--quantize", help="Serve with --quantize (fp8; the peer stays in --dtype).")] = None,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Serve with --cuda-graphs (the peer stays eager).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, in one run."""
@@ -141,7 +144,8 @@ def batching(
             height=height, steps=steps, device=device, num_gpus=num_gpus, dtype=dtype,
             peer=None if peer == "none" else peer, batching_max_size=batching_max_size,
             batching_delay_ms=batching_delay_ms,
-            extra_serve_args=(["--compile"] if compile_blocks else []) + (["--quantize", quantize] if quantize else []),
+            extra_serve_args=(["--compile"] if compile_blocks else []) + (["--quantize", quantize] if quantize else [])
+            + (["--cuda-graphs"] if cuda_graphs else []),
             print_table=True,
         )
     except ValueError as exc:

@@ -44,6 +44,7 @@ HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="
 StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the DiT blocks (the first request pays the compile time).")]
 Quantize = Annotated[Optional[str], typer.Option("--quantize", help="fp8: FP8 linear layers in the DiT blocks (FLUX; faster, output moves by a few percent).")]
+CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="Replay the DiT's forward as CUDA graphs, one per batch shape (FLUX, CUDA).")]
 TileParallel = Annotated[bool, typer.Option("--tile-parallel", help="Deal whole tile chunks to data-parallel groups for the DiT too (same output).")]
 LayerwiseOffload = Annotated[Optional[str], typer.Option("--layerwise-offload-components", help="Stream these components' blocks from host memory: all, or transformer/vae/latent_upscaler (space or comma separated).")]
 CpuOffload = Annotated[Optional[str], typer.Option("--cpu-offload-components", help="Move these components to the device whole around their use: all, or transformer/vae/latent_upscaler.")]
@@ -63,6 +64,7 @@ def _shared(
     cpu_offload_components: CpuOffload = None, dit_offload_prefetch_size: DitPrefetch = 1,
     dit_layerwise_resident_layers: DitResidentLayers = 0, use_fsdp_inference: UseFsdp = "false",
     tile_parallel: TileParallel = False, compile_dit: Compile = False, quantize: Quantize = None,
+    cuda_graphs: CudaGraphs = False,
 ) -> None:
     """Declares the options ``serve`` and ``generate`` share, with their defaults (``with_shared_options``)."""
 
@@ -110,7 +112,7 @@ def common_config(
     stuck_timeout_s: float, output_dir: Path, layerwise_offload_components: str | None = None,
     cpu_offload_components: str | None = None, dit_offload_prefetch_size: int = 1,
     dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, tile_parallel: bool = False,
-    compile_dit: bool = False, quantize: str | None = None, **extra,
+    compile_dit: bool = False, quantize: str | None = None, cuda_graphs: bool = False, **extra,
 ) -> ServeConfig:
     """Build the validated config; ``ValueError`` (shown as a usage error) names the bad value.
 
@@ -138,5 +140,5 @@ def common_config(
         layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
         dit_offload_prefetch_size=dit_offload_prefetch_size, dit_layerwise_resident_layers=dit_layerwise_resident_layers,
         use_fsdp_inference=parse_bool(use_fsdp_inference, "--use-fsdp-inference"), tile_parallel=tile_parallel,
-        compile=compile_dit, quantize=quantize, **extra,
+        compile=compile_dit, quantize=quantize, cuda_graphs=cuda_graphs, **extra,
     )

@@ -79,6 +79,9 @@ class ServeConfig:
     quantize: str | None = None
     """``fp8``: FP8 weights and activations in the DiT blocks' linear layers (FLUX; opt-in: faster,
     and the output moves by a few percent). None: the model's dtype throughout."""
+    cuda_graphs: bool = False
+    """Replay the DiT's forward as CUDA graphs, one per batch shape (FLUX; CUDA only): each step is
+    then one launch, so its time no longer depends on how fast the host issues kernels."""
     tile_parallel: bool = False
     """Deal whole tile chunks to data-parallel groups for the DiT too (identical output)."""
     batching_mode: str = "off"
@@ -144,6 +147,8 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         check_quantize(self.quantize)
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError(f"--cuda-graphs needs --device cuda, got --device {self.device}")
         if self.batching_mode not in ("off", "dynamic"):
             raise ValueError(f"--batching-mode must be off or dynamic, got {self.batching_mode!r}")
         if self.batching_delay_ms < 0:
@@ -208,11 +213,12 @@ class ServeConfig:
             "tile_parallel": self.tile_parallel,
             "compile": self.compile,
             "quantize": self.quantize,
+            "cuda_graphs": self.cuda_graphs,
             **self.placement.as_options(),
         }
 
 
-_SWITCHES = {"tile_parallel", "compile"}
+_SWITCHES = {"tile_parallel", "compile", "cuda_graphs"}
 """Options given as bare on/off flags (no value)."""
 _FLAG_NAMES = {"allowed_video_dirs": "--allowed-video-dir", "vae": "--vae-config"}
 

@@ -207,6 +207,7 @@ def test_settings_the_families_do_not_read_are_named_as_ignored():
         "--layerwise-offload-components all", "--use-fsdp-inference true",
     ]
     assert ignored_settings({"vae": {}}, honoured) == []
+    assert ignored_settings({"cuda_graphs": True}, honoured) == ["--cuda-graphs"]  # ServeConfig refuses it on CPU
     # Every server option is covered, not a hand-kept list: a setting added later is caught too.
     config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, dtype="bfloat16",
                          allowed_video_dirs=("/data",), quantize="fp8")

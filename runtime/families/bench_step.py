@@ -5,9 +5,9 @@ seeded random weights). The step's inputs come from the pipeline's own ``encode_
 ``prepare_latents`` at the requested size, ``batch`` distinct prompts. The transformer's forward
 is timed as diffusers ships it (eager, PyTorch's default SDPA); then tilecast's fast paths are
 installed on the same object (``install_fast_paths``: its attention kernel, fused projections,
-with ``quantize`` FP8 linear layers, with ``compile_blocks`` compiled blocks) and the same inputs
-are timed again. Each side is warmed up first (the compile is in tilecast's warm-up, reported as
-``warmup_s``). Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s
+with ``quantize`` FP8 linear layers, with ``compile_blocks`` compiled blocks, with ``cuda_graphs``
+the forward replayed as a CUDA graph) and the same inputs are timed again. Each side is warmed up
+first (the compile and the graph capture are in tilecast's warm-up, reported as ``warmup_s``). Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s
 (FLOPs counted by PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two
 sides' outputs compared: the largest difference relative to the output's scale, and the PSNR
 (peak: the reference's largest magnitude).
@@ -81,8 +81,8 @@ def count_flops(transformer, inputs: dict) -> int:
 
 def run_step_bench(
     model_path: str, *, width: int, height: int, batch_sizes: list[int], device: str, dtype: str,
-    compile_blocks: bool, attention_backend: str | None = None, quantize: str | None = None, warmup: int = 3,
-    iters: int = 10,
+    compile_blocks: bool, attention_backend: str | None = None, quantize: str | None = None,
+    cuda_graphs: bool = False, warmup: int = 3, iters: int = 10,
 ) -> list[dict[str, Any]]:
     """One row per batch size (see the module doc). ``ValueError`` names a bad argument."""
     family = resolve_pipeline(model_path)
@@ -106,7 +106,8 @@ def run_step_bench(
                              tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12, diffusers_ms=ms,
                              diffusers_warmup_s=warmup_s, reference=out))
         family.install_fast_paths(
-            pipe, {"attention_backend": attention_backend, "compile": compile_blocks, "quantize": quantize}
+            pipe, {"attention_backend": attention_backend, "compile": compile_blocks, "quantize": quantize,
+                   "cuda_graphs": cuda_graphs}
         )
         for row in rows:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)

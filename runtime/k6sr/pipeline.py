@@ -106,6 +106,9 @@ class K6SRPipeline(Pipeline):
         if options.get("quantize"):
             raise ValueError(f"--quantize {options['quantize']} is not available for Kandinsky 6 SR: its DiT is "
                              "attention-bound, so its linear layers run in --dtype")
+        if options.get("cuda_graphs"):
+            raise ValueError("--cuda-graphs is not available for Kandinsky 6 SR: one DiT call is seconds of GPU work, "
+                             "so there is no launch overhead to remove")
         dtype = parse_dtype(options.get("dtype"))
         video_io.require_encoders()
         if model_path == TINY_MODEL:
