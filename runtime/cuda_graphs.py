@@ -15,7 +15,9 @@ and every output is cloned before the next replay, so they may reuse each other'
 
 The forward must be capturable: device tensors only, no host synchronisation (``.item()``,
 data-dependent shapes), no state carried between calls outside its arguments. Its outputs must be
-a tensor or a tuple/list of tensors. Shapes: whatever the module takes; nothing is reshaped here.
+a tensor or a tuple/list of tensors. A capture uses PyTorch's default (global) error mode, so no
+other thread may call CUDA meanwhile (tilecast's file writers get host tensors). The pool keeps the
+largest captured forward's working memory reserved for the life of the process. Shapes: whatever the module takes; nothing is reshaped here.
 """
 
 from __future__ import annotations
