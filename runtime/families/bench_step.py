@@ -7,10 +7,11 @@ is timed as diffusers ships it (eager, PyTorch's default SDPA); then tilecast's 
 installed on the same object (``install_fast_paths``: its attention kernel, fused projections,
 with ``quantize`` FP8 linear layers, with ``compile_blocks`` compiled blocks, with ``cuda_graphs``
 the forward replayed as a CUDA graph) and the same inputs are timed again. Each side is warmed up
-first (the compile and the graph capture are in tilecast's warm-up, reported as ``warmup_s``). Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s
-(FLOPs counted by PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two
-sides' outputs compared: the largest difference relative to the output's scale, and the PSNR
-(peak: the reference's largest magnitude).
+first (the compile and the graph capture are in tilecast's warm-up, reported as ``warmup_s``).
+Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by
+PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two sides' outputs
+compared: the largest difference relative to the output's scale, and the PSNR (peak: the
+reference's largest magnitude).
 """
 
 from __future__ import annotations
