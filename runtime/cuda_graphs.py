@@ -3,10 +3,10 @@
 A small diffusion step depends on the host: FLUX at 512² and batch 1 launches about a thousand
 kernels per step, and on a busy host the GPU waits between them (H200, compiled bf16 step: p50
 53.8 ms, up to 64 ms; graphed: p50 41.6 ms, at most 45.7; on a quiet host 42.5 and 41.7 ms).
-``GraphedForward`` records the whole forward once per signature (the shapes, dtypes and devices of its tensor arguments and the values of the
-others) and afterwards replays it with one launch: the arguments are copied into the graph's own
-input buffers, the graph runs, and its outputs are cloned out, so a later replay never overwrites
-what a caller holds.
+``GraphedForward`` records the whole forward once per signature (the shapes, dtypes and devices
+of its tensor arguments and the values of the others) and afterwards replays it with one launch:
+the arguments are copied into the graph's own input buffers, the graph runs, and its outputs are
+cloned out, so a later replay never overwrites what a caller holds.
 
 A signature is run ``warmup_calls`` times without a graph first (``torch.compile`` compiles and
 cuDNN picks its plans there, neither of which may happen inside a capture), then captured. All
@@ -17,7 +17,9 @@ The forward must be capturable: device tensors only, no host synchronisation (``
 data-dependent shapes), no state carried between calls outside its arguments. Its outputs must be
 a tensor or a tuple/list of tensors. A capture uses PyTorch's default (global) error mode, so no
 other thread may call CUDA meanwhile (tilecast's file writers get host tensors). The pool keeps the
-largest captured forward's working memory reserved for the life of the process. Shapes: whatever the module takes; nothing is reshaped here.
+largest captured forward's working memory reserved for the life of the process.
+
+Shapes: whatever the module takes; nothing is reshaped here.
 """
 
 from __future__ import annotations
