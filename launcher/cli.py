@@ -113,6 +113,12 @@ def serve(
     http_port: Annotated[Optional[int], typer.Option("--http-port", help="Serve the OpenAI-style HTTP API on this port (off unless given; 0: any free port).")] = None,
     http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
     max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TILECAST_API_KEY", show_envvar=True, help="Shared secret clients must present (HTTP Bearer; ZeroMQ CURVE).")] = None,
+    allow_unauthenticated: Annotated[bool, typer.Option("--allow-unauthenticated", help="Allow a non-loopback --host/--http-host without --api-key.")] = False,
+    ready_file: Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoints here (JSON) once serving.")] = None,
+    output_retention_s: Annotated[Optional[float], typer.Option("--output-retention-s", help="Delete a finished job's files after this many seconds.")] = None,
+    max_stored_outputs: Annotated[int, typer.Option("--max-stored-outputs", help="Keep the files of at most this many finished jobs.")] = 10_000,
+    max_queued_upload_mb: Annotated[float, typer.Option("--max-queued-upload-mb", help="Total uploads held by queued jobs; beyond it submits are refused (503).")] = 2048.0,
 ) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
@@ -121,7 +127,9 @@ def serve(
             batching_mode=batching_mode, batching_max_size=batching_max_size, batching_delay_ms=batching_delay_ms,
             batching_config=batching_config, enable_batching_metrics=enable_batching_metrics,
             max_queued_requests=max_queued_requests, max_message_mb=max_message_mb, http_port=http_port,
-            http_host=http_host, max_upload_mb=max_upload_mb,
+            http_host=http_host, max_upload_mb=max_upload_mb, api_key=api_key,
+            allow_unauthenticated=allow_unauthenticated, ready_file=ready_file, output_retention_s=output_retention_s,
+            max_stored_outputs=max_stored_outputs, max_queued_upload_mb=max_queued_upload_mb,
         )
         if batching_config is not None:
             from tilecast.scheduler.batching_rules import BatchingRules

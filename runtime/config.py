@@ -7,6 +7,7 @@ so no setting is ever negotiated between ranks.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from pathlib import Path
 from typing import Collection
 
@@ -20,6 +21,16 @@ def check_quantize(value: str | None) -> None:
     """Raise ``ValueError`` naming a ``--quantize`` value that is not one of ``QUANTIZE_MODES``."""
     if value is not None and value not in QUANTIZE_MODES:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {value!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable only from this machine."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name or a wildcard ("*", "0.0.0.0" parses and is not loopback)
+        return False
 
 
 def default_dtype(device: str) -> str:
@@ -110,6 +121,24 @@ class ServeConfig:
     """Port of rank 0's OpenAI-style HTTP front end (None: no HTTP; 0: pick a free one)."""
     http_host: str = "127.0.0.1"
     """Interface the HTTP front end binds (another one only when asked)."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Shared secret every client must present (``--api-key`` or ``$TILECAST_API_KEY``): HTTP as
+    ``Authorization: Bearer <key>``, ZeroMQ through CURVE keys derived from it. None: no
+    authentication, which is allowed only on loopback addresses unless ``allow_unauthenticated``."""
+    allow_unauthenticated: bool = False
+    """Serve a non-loopback ``host`` / ``http_host`` without ``api_key`` (anyone who reaches the port
+    can submit and read results)."""
+    ready_file: Path | None = None
+    """Written by rank 0 once it serves (JSON: the bound ZeroMQ endpoint, the HTTP URL, the pid),
+    so a supervisor learns the ports of ``--port 0`` / ``--http-port 0`` without racing for them."""
+    output_retention_s: float | None = None
+    """Delete a finished job's output files this long after it finished (None: keep them until
+    ``max_stored_outputs`` pushes them out)."""
+    max_stored_outputs: int = 10_000
+    """Keep the output files of at most this many finished jobs; the oldest go first."""
+    max_queued_upload_mb: float = 2048.0
+    """Total size of the uploads held by queued jobs; a submit beyond it is refused as overloaded
+    (HTTP 503 with Retry-After) instead of growing rank 0's memory."""
     max_upload_mb: float = 512.0
     """Largest HTTP request body (uploaded video and fields); a larger one is refused with 413
     before it is read. At most ``max_message_mb``, since the upload travels to the scheduler in one message."""
@@ -162,6 +191,26 @@ class ServeConfig:
         if self.http_port is not None and (isinstance(self.http_port, bool) or not isinstance(self.http_port, int)
                                            or not 0 <= self.http_port <= 65535):
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port!r}")
+        if self.output_retention_s is not None and not self.output_retention_s > 0:
+            raise ValueError(f"--output-retention-s must be > 0, got {self.output_retention_s}")
+        if isinstance(self.max_stored_outputs, bool) or not isinstance(self.max_stored_outputs, int) \
+                or self.max_stored_outputs < 1:
+            raise ValueError(f"--max-stored-outputs must be a positive integer, got {self.max_stored_outputs!r}")
+        if not self.max_queued_upload_mb > 0:
+            raise ValueError(f"--max-queued-upload-mb must be > 0, got {self.max_queued_upload_mb}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if self.ready_file is not None:
+            self.ready_file = Path(self.ready_file)
+        exposed = [f"--{name.replace('_', '-')} {value}" for name, value in
+                   (("host", self.host), ("http_host", self.http_host if self.http_port is not None else None))
+                   if value is not None and not is_loopback(value)]
+        if exposed and self.api_key is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"{exposed[0]} is reachable from other machines but no --api-key (or TILECAST_API_KEY) is set:"
+                " anyone could submit jobs, read results and stop the server. Set a key, or pass"
+                " --allow-unauthenticated to serve it open on purpose"
+            )
         if not self.max_upload_mb > 0:
             raise ValueError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
         placement = self.placement  # ValueError naming the flag
