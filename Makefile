@@ -19,13 +19,13 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) -m tilecast.launcher.demo
+	$(PY) -P -m tilecast.launcher.demo
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # CPU-capable benchmark; the GPU ones are `tilecast bench k6sr|attention|placement` (see README).
 bench: install
