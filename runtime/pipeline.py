@@ -5,15 +5,21 @@ A pipeline is built once on every rank (``Pipeline.load``). Rank 0 validates eac
 plan that rank 0 broadcasts names the work items; every rank then calls ``Pipeline.run`` with
 the same items in the same order, and issues the same collectives. Only the output rank's
 return value is used.
+
+While it runs, a pipeline tells its ``RankContext``: ``progress(done, total)`` after each unit
+(step, tile) — job progress and the stuck watchdog; ``alive()`` inside long stages that have no
+units (a VAE decode) — the watchdog only; and ``cancel_point()`` at boundaries every rank reaches
+together, where a batch whose jobs were all cancelled stops (``PlanCancelled``) before writing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import msgspec
 
@@ -41,7 +47,11 @@ class RankContext:
     options: dict = dataclasses.field(default_factory=dict)
     """Server-wide pipeline options (topology, attention backend, vae config, ...)."""
     on_progress: Callable[[int, int], None] | None = None
-    """Called with (done, total) units; drives progress bars, job progress and the stuck watchdog."""
+    """Called with (done, total) units; drives progress bars and the stuck watchdog."""
+    heartbeat: Callable[[], None] | None = None
+    """Tells the stuck watchdog this rank is making progress inside a long stage (no job progress)."""
+    plan: "PlanHooks | None" = None
+    """Rank 0 while serving: where the running plan's progress goes and whether it was cancelled."""
 
     @property
     def is_output_rank(self) -> bool:
@@ -55,8 +65,76 @@ class RankContext:
         return directory
 
     def progress(self, done: int, total: int) -> None:
+        """``done`` of ``total`` units of the running plan are finished."""
         if self.on_progress is not None:
             self.on_progress(done, total)
+        if self.plan is not None and total > 0:
+            self.plan.progress(done / total)
+
+    def alive(self) -> None:
+        """A long stage is still moving (feeds the stuck watchdog; cheap, call it often)."""
+        if self.heartbeat is not None:
+            self.heartbeat()
+
+    def alive_during(self, module) -> contextlib.AbstractContextManager:
+        """While inside, every forward of ``module`` or of one of its submodules calls ``alive``
+        (a VAE decode is one long stage of many module calls). Nothing is hooked without a heartbeat."""
+        return alive_during(module, self.alive if self.heartbeat is not None else None)
+
+    def cancel_point(self) -> None:
+        """Stop here on every rank when every job of the running plan was cancelled.
+
+        With several ranks this is one broadcast of one int on the CPU group (rank 0 decides), so
+        call it only where every rank of the run is at the same point of the same plan: between
+        denoising steps that all ranks take together, between tile rounds, between stages. One rank
+        only asks the scheduler's flag. Raises ``PlanCancelled``.
+        """
+        cancelled = self.plan is not None and self.plan.cancelled()
+        if self.world_size > 1 and self.cpu_group is not None:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if cancelled and self.rank == 0 else 0], dtype=torch.int32)
+            dist.broadcast(flag, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
+            cancelled = bool(flag.item())
+        if cancelled:
+            raise PlanCancelled("every job of this batch was cancelled")
+
+
+@contextlib.contextmanager
+def alive_during(module, alive: Callable[[], None] | None) -> Iterator[None]:
+    """Call ``alive()`` before every forward of ``module`` and its submodules while inside
+    (``None``: hook nothing). A Python call per module call: microseconds against a convolution."""
+    if alive is None or module is None:
+        yield
+        return
+
+    def hook(_module, _args) -> None:
+        alive()
+
+    handles = [sub.register_forward_pre_hook(hook) for sub in module.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class PlanCancelled(Exception):
+    """Raised on every rank at a cancel point of a plan whose jobs were all cancelled."""
+
+
+class PlanHooks:
+    """Rank 0's link from a running plan back to the scheduler (set by the compute loop)."""
+
+    def __init__(self, seq: int, *, report: Callable[[int, float], None], cancelled: Callable[[int], bool]) -> None:
+        self.seq, self._report, self._cancelled = seq, report, cancelled
+
+    def progress(self, fraction: float) -> None:
+        self._report(self.seq, fraction)
+
+    def cancelled(self) -> bool:
+        return self._cancelled(self.seq)
 
 
 @dataclasses.dataclass(kw_only=True)

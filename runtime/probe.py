@@ -2,7 +2,9 @@
 
 Each rank contributes a seeded partial tensor; an all-reduce over the device group sums them;
 the output rank writes the sum to a file and returns it as a tensor. Knobs make a unit of work
-slow, fail, or hang on one rank, so the scheduler's failure paths can be exercised for real.
+slow, fail, or hang on one rank, or add a long stage that only beats the watchdog, so the
+scheduler's failure, cancel and watchdog paths can be exercised for real. Every step ends at a
+cancel point.
 When ``TILECAST_PROBE_LOG_DIR`` is set, every rank appends the job ids it executed, in order.
 """
 
@@ -36,6 +38,9 @@ class ProbeParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Raise ValueError with this message on every rank (a failing request)."""
     hang_rank: int | None = None
     """This rank stops making progress (a stuck rank)."""
+    stage_s: float = 0.0
+    """After the steps, a stage this long on every rank with no progress units (like a VAE decode):
+    0.05 s sleeps, each followed by ``ctx.alive()``."""
 
 
 class AllReducePipeline(Pipeline):
@@ -57,6 +62,8 @@ class AllReducePipeline(Pipeline):
             raise ValueError(f"size must be in 0..{1 << 20}, got {params.size}")
         if params.steps < 1:
             raise ValueError(f"steps must be >= 1, got {params.steps}")
+        if not 0 <= params.stage_s <= 3600:
+            raise ValueError(f"stage_s must be in 0..3600, got {params.stage_s}")
         return params
 
     def _partial(self, params: ProbeParams, rank: int) -> torch.Tensor:
@@ -85,6 +92,11 @@ class AllReducePipeline(Pipeline):
                     dist.all_reduce(partial, group=ctx.device_group)
                 total = partial.cpu()
                 ctx.progress(step + 1, params.steps)
+                ctx.cancel_point()
+            deadline = time.monotonic() + params.stage_s
+            while time.monotonic() < deadline:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                ctx.alive()
             out = Output(tensors={"sum": total}, info={"world_size": ctx.world_size})
             if ctx.is_output_rank:
                 path = ctx.output_dir / f"{item.job_id}.json"

@@ -2,8 +2,14 @@
 
 Each worker rank runs a ``HeartbeatSender`` thread (a ZeroMQ PUSH socket to rank 0) reporting
 its progress counter. Rank 0's ``Watchdog`` thread declares the server dead when a rank's
-heartbeats stop (the process died) or when a busy rank's counter stops moving (it is stuck),
-well before any collective timeout would fire.
+heartbeats stop (the process died) or when no busy rank's counter has moved for
+``--stuck-timeout-s`` (it is stuck), well before any collective timeout would fire.
+
+The counter moves with every unit of a plan (``RankContext.progress``: a step, a tile) and inside
+long stages without units (``RankContext.alive``: each VAE decoder level, each temporal chunk), so
+a legitimately long stage keeps beating; only a rank that stops beating is stuck. A rank waiting
+in a collective for a peer that still beats (uneven tiles, the last round of a gather) is not
+stuck either: the verdict comes once every busy rank is still, and names the one still longest.
 """
 
 from __future__ import annotations
@@ -156,10 +162,11 @@ class Watchdog(threading.Thread):
             silent = now - seen
             if silent > self.config.heartbeat_timeout_s:
                 return f"rank {rank} sent no heartbeat for {silent:.1f} s (process died or hung hard)"
-        for rank, (_, changed_at) in self.progress.items():
-            idle_for = now - changed_at
-            if self.busy[rank] and idle_for > self.config.stuck_timeout_s:
-                return f"rank {rank} made no progress for {idle_for:.1f} s (stuck; --stuck-timeout-s)"
+        still = {rank: now - changed_at for rank, (_, changed_at) in self.progress.items() if self.busy[rank]}
+        if still and min(still.values()) > self.config.stuck_timeout_s:
+            # No busy rank moves: name the one that stopped first (the others wait for it in a collective).
+            rank = max(still, key=still.get)
+            return f"rank {rank} made no progress for {still[rank]:.1f} s (stuck; --stuck-timeout-s)"
         # Rank 0 idles by broadcasting every second; a silent rank 0 counter means its loop is blocked.
         counter0, changed0 = self.progress[0]
         if not self.busy[0] and now - changed0 > self.config.stuck_timeout_s:

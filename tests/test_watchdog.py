@@ -1,9 +1,15 @@
-"""The watchdog's rules on a fake clock: silence means dead, a busy rank that stops counting is stuck."""
+"""The watchdog's rules on a fake clock: silence means dead; stuck means every busy rank stopped
+counting, and a long stage that calls ``ctx.alive()`` keeps counting (the K-VAE decode does, per level)."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from tilecast.runtime.pipeline import RankContext
 from tilecast.runtime.watchdog import ProgressBeat, Watchdog, WatchdogConfig
 
 
@@ -34,17 +40,98 @@ def test_a_silent_rank_is_dead(dog):
     assert watchdog.check() == "rank 2 sent no heartbeat for 5.5 s (process died or hung hard)"
 
 
-def test_a_busy_rank_without_progress_is_stuck(dog):
-    watchdog, clock = dog
-    for second in range(30):
+def _beat(watchdog, clock, seconds: int, counters) -> list[str | None]:
+    """Advance ``seconds``; each second every rank heartbeats with ``counters(second)`` ->
+    ``{rank: (counter, busy)}``; returns ``check()`` after each second."""
+    verdicts = []
+    for second in range(seconds):
         clock.now += 1.0
         watchdog.last_seen.update({1: clock.now, 2: clock.now})
-        watchdog._observe(0, second, False)  # rank 0 idles and counts
-        watchdog._observe(1, second, True)  # rank 1 works and counts
-        watchdog._observe(2, 7, True)  # rank 2 is busy but its counter froze
-        if second < 19:
-            assert watchdog.check() is None, second
-    assert watchdog.check().startswith("rank 2 made no progress for")
+        for rank, (counter, busy) in counters(second).items():
+            watchdog._observe(rank, counter, busy)
+        verdicts.append(watchdog.check())
+    return verdicts
+
+
+def test_a_busy_rank_without_progress_is_stuck(dog):
+    """Rank 1 freezes at once, rank 2 (waiting for it in a collective) ten seconds later: stuck
+    once both have been still for the 20 s timeout, naming the one still longest."""
+    watchdog, clock = dog
+    verdicts = _beat(watchdog, clock, 32, lambda s: {0: (s, False), 1: (7, True), 2: (min(s, 10), True)})
+    assert verdicts[:31] == [None] * 31  # rank 2 moved until second 11: then 20 s of grace
+    assert verdicts[31] == "rank 1 made no progress for 31.0 s (stuck; --stuck-timeout-s)"
+
+
+def test_a_rank_waiting_for_a_peer_that_still_beats_is_not_stuck(dog):
+    """Uneven work (the last gather round, a unit with fewer chunks): rank 2 waits in a collective
+    for a minute while rank 1 keeps beating. Not stuck; once rank 1 stops too, it is."""
+    watchdog, clock = dog
+    verdicts = _beat(watchdog, clock, 60, lambda s: {0: (s, False), 1: (s, True), 2: (7, True)})
+    assert verdicts == [None] * 60
+    verdicts = _beat(watchdog, clock, 21, lambda s: {0: (s, False), 1: (59, True), 2: (7, True)})
+    assert verdicts[:20] == [None] * 20
+    assert verdicts[20].startswith("rank 2 made no progress for 80.0 s")
+
+
+def test_alive_inside_a_long_stage_keeps_rank_0_from_being_stuck(dog):
+    """A 90 s stage with no progress units (a VAE decode) that calls ``ctx.alive()`` every few
+    seconds is not stuck under a 20 s timeout; the same stage without beats is."""
+    watchdog, clock = dog
+    beat = watchdog.beat
+    ctx = RankContext(rank=0, world_size=3, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
+                      heartbeat=beat.tick)
+    beat.set_busy(True)
+
+    def stage(second: int) -> dict:
+        if second % 5 == 4:  # every 5 s, the last one at the stage's end
+            ctx.alive()
+        return {0: (beat.counter, beat.busy), 1: (0, False), 2: (0, False)}
+
+    assert _beat(watchdog, clock, 90, stage) == [None] * 90
+    silent = _beat(watchdog, clock, 21, lambda s: {0: (beat.counter, beat.busy), 1: (0, False), 2: (0, False)})
+    assert silent[:20] == [None] * 20 and silent[20].startswith("rank 0 made no progress for 21.0 s")
+
+
+def test_alive_during_beats_on_every_module_call_and_unhooks():
+    beat = ProgressBeat()
+    ctx = RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
+                      heartbeat=beat.tick)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 1)))
+    with ctx.alive_during(net):
+        net(torch.ones(1, 2))
+    assert beat.counter == 5  # the two Sequentials, two Linears, one ReLU
+    net(torch.ones(1, 2))
+    assert beat.counter == 5  # hooks gone
+    with RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None,
+                     output_dir=Path(".")).alive_during(net):
+        net(torch.ones(1, 2))  # no heartbeat: nothing hooked, nothing fails
+
+
+def test_kvae_decode_beats_per_decoder_level():
+    """tilecast's channels-last decoder calls ``alive`` after every level of every segment;
+    diffusers' decode beats through ``alive_during`` (``stages.decode_latents`` either way)."""
+    from diffusers import Kandinsky6SRVAE
+
+    from tilecast.runtime.k6sr import stages
+    from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+    from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vae = Kandinsky6SRVAE(**VAE_CONFIG).eval().requires_grad_(False)
+    levels = len(vae.decoder.up)
+    latents = torch.randn(1, vae.config.latent_channels, 11, 2, 2)  # three segments (5 + 4 + 2 latent frames)
+    beats = []
+    parts = SimpleNamespace(vae=vae, decoder=ChannelsLastDecoder(vae))
+    stages.decode_latents(parts, latents, alive=lambda: beats.append(1))
+    assert len(beats) == 3 * levels
+
+    beat = ProgressBeat()
+    ctx = RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
+                      heartbeat=beat.tick)
+    with torch.no_grad(), ctx.alive_during(vae):
+        stages.decode_latents(SimpleNamespace(vae=vae, decoder=None), latents)
+    assert beat.counter > 3 * levels
 
 
 def test_idle_ranks_are_not_stuck_and_config_is_checked(dog):

@@ -341,16 +341,20 @@ class DiffusersBatchPipeline(Pipeline):
 
         def on_step(_pipe, step, _timestep, callback_kwargs):
             ctx.progress(step + 1, steps)
+            ctx.cancel_point()  # every rank runs the same steps (replicated): a boundary they share
             return callback_kwargs
 
-        with torch.inference_mode():
+        # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
+        with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
 
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Every rank computes the whole batch (replicated; no sequence parallelism for these
-        families); only the output rank writes files. Tensors are returned on every rank."""
+        families); only the output rank writes files. Tensors are returned on every rank. A batch
+        whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
         outputs_BX = self.generate(items, ctx)
+        ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):
             raise RuntimeError(f"{self.diffusers_class} returned {outputs_BX.shape[0]} outputs for {len(items)} requests")
         results, writes = [], []

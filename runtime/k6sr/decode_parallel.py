@@ -62,6 +62,7 @@ def blend_rounds(
     device,
     overlap: bool = False,
     unit_size: int = 1,
+    between_rounds: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Gather the chunks round by round and blend them in chunk order: ``video_BCFHW`` on every rank.
 
@@ -72,7 +73,8 @@ def blend_rounds(
     unit, for its chunks in increasing order, and returns the decoded ``video_BCFHW`` of chunk
     ``c`` (the same on every rank of the unit; the unit's first rank's copy is blended). With
     ``overlap`` the gather of round ``r`` runs asynchronously while round ``r + 1`` is produced
-    (then a rank holds two rounds).
+    (then a rank holds two rounds). ``between_rounds()`` runs on every rank before each round after
+    the first (a cancel point: every rank of the group is there, whatever chunks it owns).
     """
     size, index = group_size(group), group_rank(group)
     if unit_size < 1 or size % unit_size:
@@ -93,6 +95,8 @@ def blend_rounds(
 
     pending: tuple[int, Any, list[torch.Tensor]] | None = None
     for round_index in range(num_rounds(len(chunk_tiles), num_units)):
+        if round_index and between_rounds is not None:
+            between_rounds()
         first = round_index * num_units
         mine = first + unit
         send = torch.zeros(slot_shape, dtype=torch.float32, device=device)
@@ -132,20 +136,22 @@ def decode_whole_tiles(
     *,
     group,
     device,
+    cancel_point: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Decode replicated denoised ``chunks`` (the same on every rank) with whole-tile parallelism.
 
     Bit-identical to ``stages.decode_and_blend`` on every rank. One chunk, or a group of one,
-    decodes serially without collectives.
+    decodes serially without collectives. ``cancel_point`` runs between rounds (or chunks).
     """
     chunk_tiles = [tiles for tiles, _ in chunks]
     if group_size(group) == 1 or len(chunks) == 1:
-        return decode_serial(decode, chunks, plan, num_frames, device=device)
+        return decode_serial(decode, chunks, plan, num_frames, device=device, cancel_point=cancel_point)
 
     def produce(chunk: int) -> torch.Tensor:
         return decode(chunks[chunk][1])
 
-    return blend_rounds(produce, chunk_tiles, plan, num_frames, group=group, device=device)
+    return blend_rounds(produce, chunk_tiles, plan, num_frames, group=group, device=device,
+                        between_rounds=cancel_point)
 
 
 def decode_serial(
@@ -155,10 +161,14 @@ def decode_serial(
     num_frames: int,
     *,
     device,
+    cancel_point: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """The serial reference: decode each chunk in order and blend (what every rank does by default)."""
+    """The serial reference: decode each chunk in order and blend (what every rank does by default).
+    ``cancel_point()`` after each chunk (every rank that calls this decodes every chunk)."""
     blender = TileBlender(plan, batch_size=1, num_frames=num_frames, device=device)
     for tiles, latents_BCTHW in chunks:
         for tile_CFHW, tile_index in zip(decode(latents_BCTHW), tiles):
             blender.add(tile_index, tile_CFHW)
+        if cancel_point is not None:
+            cancel_point()
     return blender.result()

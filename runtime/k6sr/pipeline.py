@@ -45,7 +45,14 @@ from tilecast.runtime.k6sr.params import (
     resolve_video_path,
     target_size,
 )
-from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, make_plan, upscale_video, video_to_frames
+from tilecast.runtime.k6sr.stages import (
+    NO_HOOKS,
+    SRSettings,
+    frames_to_video,
+    make_plan,
+    upscale_video,
+    video_to_frames,
+)
 from tilecast.runtime.k6sr.tile_parallel import TileWork
 from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
 from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
@@ -181,12 +188,13 @@ class K6SRPipeline(Pipeline):
         self, frames_FHWC: torch.Tensor, params: SRParams, *, ctx: RankContext | None = None,
         timings: dict[str, float] | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Frames in, float ``video_BCFHW`` in ``[-1, 1]`` out (before target resize and quantisation)."""
+        """Frames in, float ``video_BCFHW`` in ``[-1, 1]`` out (before target resize and quantisation).
+        With ``ctx``: progress per DiT step, heartbeats and cancel points inside the stages."""
         on_progress = ctx.progress if ctx is not None else None
         video_BCFHW = frames_to_video(frames_FHWC, self.parts.device)
         return upscale_video(
             self.parts, video_BCFHW, settings_of(params), on_progress=on_progress, timings=timings,
-            tile_work=self.tile_work,
+            tile_work=self.tile_work, hooks=ctx if ctx is not None else NO_HOOKS,
         )
 
     def _run_one(self, item: WorkItem, ctx: RankContext) -> Output:
@@ -200,8 +208,10 @@ class K6SRPipeline(Pipeline):
         stem = UPLOAD_STEM if upload is not None else Path(params.video_path).stem
         clip = video_io.read_clip(source)
         timings["input"] = time.perf_counter() - started
+        ctx.cancel_point()
 
         video_BCFHW, plan = self.upscale_frames(clip.frames_FHWC, params, ctx=ctx, timings=timings)
+        ctx.cancel_point()  # the last one: a cancelled request writes nothing
 
         started = time.perf_counter()
         out_h, out_w = video_BCFHW.shape[-2:]

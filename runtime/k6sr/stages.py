@@ -5,6 +5,8 @@ plan → denoise (DiT + PiFlow, ``tiles_batch_size`` tiles per call; PiFlow's st
 kernel, ``kernels/piflow.py``, and each chunk's CPU noise is drawn ahead on a thread,
 ``NoiseAhead``) → decode (serially, one tile chunk at a time) → Hann blend. It returns the float
 video before any quantisation or MP4 encoding, so tests compare it with diffusers' ``Kandinsky6SRPipeline``.
+``RunHooks`` (the serving ``RankContext``) carries the stuck watchdog's heartbeat into the long
+stages and puts cancel points where every rank of the request meets.
 
 Numerics follow diffusers' pipeline step by step (pixel normalisation, the K-VAE's ``/128``
 convention, variance-preserving noise with ``lq_noise_scale = 0.7``, the zero anchor channels),
@@ -20,6 +22,7 @@ Shapes: ``video_BCFHW`` (batch, RGB, frames, height, width) in ``[-1, 1]``; ``la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -50,16 +53,43 @@ LQ_NOISE_SCALE = 0.7
 StepCallback = Callable[[int, int], None]
 
 
-class StepCounter:
-    """Counts DiT steps and reports ``(done, total)`` to ``on_progress`` after each one."""
+class RunHooks:
+    """What a running request tells the server besides its progress. ``RankContext`` has the same
+    methods; this default does nothing (benchmarks, tests).
 
-    def __init__(self, total: int, on_progress: StepCallback | None) -> None:
-        self.total, self.on_progress, self.done = total, on_progress, 0
+    - ``alive()``: a long stage is still moving (feeds the stuck watchdog; per decoded level or tile);
+    - ``alive_during(module)``: ``alive`` on every forward of ``module`` while inside;
+    - ``cancel_point()``: a boundary every rank of the request reaches together (a collective
+      with several ranks); raises ``PlanCancelled`` when every job of the batch was cancelled.
+    """
+
+    def alive(self) -> None:
+        pass
+
+    def alive_during(self, module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def cancel_point(self) -> None:
+        pass
+
+
+NO_HOOKS = RunHooks()
+
+
+class StepCounter:
+    """Counts DiT steps and reports ``(done, total)`` to ``on_progress`` after each one, then calls
+    ``after_step`` (a cancel point, where every rank takes the same steps)."""
+
+    def __init__(self, total: int, on_progress: StepCallback | None,
+                 after_step: Callable[[], None] | None = None) -> None:
+        self.total, self.on_progress, self.after_step, self.done = total, on_progress, after_step, 0
 
     def __call__(self) -> None:
         self.done += 1
         if self.on_progress is not None:
             self.on_progress(self.done, self.total)
+        if self.after_step is not None:
+            self.after_step()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -127,13 +157,15 @@ def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tens
     return latents_BCTHW * vae.config.scaling_factor
 
 
-def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor) -> torch.Tensor:
-    """Decode scaled latents to a float32 ``[-1, 1]`` video."""
+def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor,
+                   alive: Callable[[], None] | None = None) -> torch.Tensor:
+    """Decode scaled latents to a float32 ``[-1, 1]`` video. ``alive`` is called per decoder level
+    of tilecast's decoder (diffusers' decode beats through ``RunHooks.alive_during`` on the VAE)."""
     vae = parts.vae
     latents_BCTHW = latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor
     with on_device(vae):
         if parts.decoder is not None:
-            video = parts.decoder.decode(latents_BCTHW)
+            video = parts.decoder.decode(latents_BCTHW, alive=alive)
         else:
             video = vae.decode(latents_BCTHW, return_dict=False)[0]
     return ((video.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
@@ -157,7 +189,8 @@ def make_plan(parts: K6SRComponents, height: int, width: int, settings: SRSettin
 
 
 def low_res_tiles(
-    parts: K6SRComponents, video_BCFHW: torch.Tensor, plan: TilePlan, timings: dict[str, float] | None = None
+    parts: K6SRComponents, video_BCFHW: torch.Tensor, plan: TilePlan, timings: dict[str, float] | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> torch.Tensor:
     """Low-resolution latent tiles at the trained tile size: ``tiles_NCTHW`` (batch 1) in ``parts.dtype``.
 
@@ -178,12 +211,14 @@ def low_res_tiles(
             for top, left in plan.grid:
                 crop = latents_BCTHW[:, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap]
                 tiles.append(upscaler(crop, scale=plan.tiling_scale, return_dict=False)[0])
+                hooks.alive()
     else:
         with on_device(parts.vae):
             for top, left in plan.grid:
                 crop = video_BCFHW[:, :, :, top : top + tile_h, left : left + tile_w]
                 crop = _resize_frames(crop, plan.base_size, mode="bilinear", align_corners=False)
                 tiles.append(encode_video(parts, crop))
+                hooks.alive()
         timings["encode"] = 0.0
     timings["latent_upscale"] = time.perf_counter() - started
     return torch.stack(tiles, dim=1)[0].to(parts.dtype)
@@ -329,10 +364,12 @@ def denoise_tiles(
     tiles_NCTHW: torch.Tensor,
     settings: SRSettings,
     on_progress: StepCallback | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> list[tuple[range, torch.Tensor]]:
-    """Denoise all tiles, ``settings.tiles_batch_size`` per DiT call; ``[(tile indices, latents_BCTHW)]``."""
+    """Denoise all tiles, ``settings.tiles_batch_size`` per DiT call; ``[(tile indices, latents_BCTHW)]``.
+    Every rank that calls this denoises every chunk, so each step is a cancel point."""
     chunks = chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
-    step = StepCounter(len(chunks) * settings.num_inference_steps, on_progress)
+    step = StepCounter(len(chunks) * settings.num_inference_steps, on_progress, hooks.cancel_point)
     order = list(range(len(chunks)))
     # component offload: the transformer moves once for all chunks
     with on_device(parts.transformer), NoiseAhead(tiles_NCTHW, chunks, order, settings, parts.device) as noises:
@@ -343,15 +380,18 @@ def denoise_tiles(
 
 
 def decode_and_blend(
-    parts: K6SRComponents, chunks: list[tuple[range, torch.Tensor]], plan: TilePlan, num_frames: int
+    parts: K6SRComponents, chunks: list[tuple[range, torch.Tensor]], plan: TilePlan, num_frames: int,
+    hooks: RunHooks = NO_HOOKS,
 ) -> torch.Tensor:
-    """Decode the denoised chunks one at a time and Hann-blend them: ``video_BCFHW`` in ``[-1, 1]``."""
+    """Decode the denoised chunks one at a time and Hann-blend them: ``video_BCFHW`` in ``[-1, 1]``.
+    A cancel point after each chunk."""
     blender = TileBlender(plan, batch_size=1, num_frames=num_frames, device=parts.device)
     with on_device(parts.vae):  # component offload: moved once for all chunks
         for indices, latents_BCTHW in chunks:
-            decoded_BCFHW = decode_latents(parts, latents_BCTHW)
+            decoded_BCFHW = decode_latents(parts, latents_BCTHW, alive=hooks.alive)
             for tile_CFHW, tile_index in zip(decoded_BCFHW, indices):
                 blender.add(tile_index, tile_CFHW)
+            hooks.cancel_point()
     return blender.result()
 
 
@@ -364,6 +404,7 @@ def upscale_video(
     on_progress: StepCallback | None = None,
     timings: dict[str, float] | None = None,
     tile_work=None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> tuple[torch.Tensor, TilePlan]:
     """Super-resolve a ``[-1, 1]`` float ``video_BCFHW`` (batch 1, ``1 + 4k`` frames).
 
@@ -372,6 +413,9 @@ def upscale_video(
     stage (``pre_upscale``, ``encode``, ``latent_upscale``, ``denoise``, ``decode`` incl. blend;
     without a latent upscaler the per-tile encodes count as ``latent_upscale``). ``tile_work`` (a
     ``tile_parallel.TileWork``) spreads denoise/decode over ranks; ``None``: serial on this rank.
+    ``hooks`` (a ``RankContext`` when serving): the VAE's and upscaler's module calls and every tile
+    beat the watchdog; cancel points after the encode, after each DiT step every rank takes, after
+    each decoded chunk or gathered round.
     """
     if video_BCFHW.shape[0] != 1:
         raise ValueError(f"upscale_video takes one video at a time, got a batch of {video_BCFHW.shape[0]}")
@@ -394,20 +438,22 @@ def upscale_video(
         snap=snap,
         scale_label=settings.scale,
     )
-    tiles_NCTHW = low_res_tiles(parts, video_BCFHW, plan, timings)
+    with hooks.alive_during(parts.vae), hooks.alive_during(parts.latent_upscaler):
+        tiles_NCTHW = low_res_tiles(parts, video_BCFHW, plan, timings, hooks)
+        hooks.cancel_point()
 
-    if tile_work is not None and tile_work.is_parallel:
-        # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/k6sr/tile_parallel.py).
-        video_BCFHW = tile_work.run(
-            parts, tiles_NCTHW, settings, plan, num_frames, on_progress=on_progress, timings=timings
-        )
-    else:
-        started = time.perf_counter()
-        chunks = denoise_tiles(parts, tiles_NCTHW, settings, on_progress)
-        timings["denoise"] = time.perf_counter() - started
+        if tile_work is not None and tile_work.is_parallel:
+            # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/k6sr/tile_parallel.py).
+            video_BCFHW = tile_work.run(
+                parts, tiles_NCTHW, settings, plan, num_frames, on_progress=on_progress, timings=timings, hooks=hooks,
+            )
+        else:
+            started = time.perf_counter()
+            chunks = denoise_tiles(parts, tiles_NCTHW, settings, on_progress, hooks)
+            timings["denoise"] = time.perf_counter() - started
 
-        started = time.perf_counter()
-        video_BCFHW = decode_and_blend(parts, chunks, plan, num_frames)
-        timings["decode"] = time.perf_counter() - started
+            started = time.perf_counter()
+            video_BCFHW = decode_and_blend(parts, chunks, plan, num_frames, hooks)
+            timings["decode"] = time.perf_counter() - started
     logger.debug("upscaled %d frames in %d tiles: %s", num_frames, plan.num_tiles, timings)
     return video_BCFHW, plan

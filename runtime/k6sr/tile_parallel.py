@@ -145,16 +145,21 @@ class TileWork:
         *,
         on_progress: StepCallback | None = None,
         timings: dict[str, float] | None = None,
+        hooks=None,
     ) -> torch.Tensor:
         """Denoise, decode and blend ``tiles_NCTHW``: ``video_BCFHW`` on every rank.
 
         ``timings`` gets ``denoise`` and ``decode`` (incl. blend); under tile-parallel they overlap,
-        so all of it is counted as ``denoise`` and ``decode`` is 0.
+        so all of it is counted as ``denoise`` and ``decode`` is 0. ``hooks`` (``stages.RunHooks``):
+        decoder levels beat the watchdog; cancel points only where every rank of ``group`` meets
+        (each replicated DiT step, each chunk decoded together, each gathered round), never inside a
+        unit's own tiles (the units hold different numbers of chunks).
         """
         from tilecast.runtime.k6sr import stages  # stages calls into this module
 
+        hooks = hooks if hooks is not None else stages.NO_HOOKS
         timings = timings if timings is not None else {}
-        decode = _bind_decode(stages, parts)
+        decode = _bind_decode(stages, parts, hooks.alive)
         started = time.perf_counter()
         if self.tile_parallel:
             def spatial_decode(latents_BCTHW: torch.Tensor) -> torch.Tensor:
@@ -164,24 +169,24 @@ class TileWork:
 
             video = denoise_decode_tile_parallel(
                 parts, tiles_NCTHW, settings, plan, num_frames, decode=unit_decode, group=self.group,
-                unit_size=self.unit_size, on_progress=on_progress,
+                unit_size=self.unit_size, on_progress=on_progress, cancel_point=hooks.cancel_point,
             )
             timings["denoise"], timings["decode"] = time.perf_counter() - started, 0.0
             return video
-        chunks = stages.denoise_tiles(parts, tiles_NCTHW, settings, on_progress)
+        chunks = stages.denoise_tiles(parts, tiles_NCTHW, settings, on_progress, hooks)
         timings["denoise"] = time.perf_counter() - started
         started = time.perf_counter()
         video = decode_chunks(
             decode, parts.vae.decoder, chunks, plan, num_frames, mode=self.decode_mode, group=self.group,
-            device=parts.device,
+            device=parts.device, cancel_point=hooks.cancel_point,
         )
         timings["decode"] = time.perf_counter() - started
         return video
 
 
-def _bind_decode(stages, parts) -> DecodeFn:
+def _bind_decode(stages, parts, alive: Callable[[], None] | None = None) -> DecodeFn:
     def decode(latents_BCTHW: torch.Tensor) -> torch.Tensor:
-        return stages.decode_latents(parts, latents_BCTHW)
+        return stages.decode_latents(parts, latents_BCTHW, alive=alive)
 
     return decode
 
@@ -196,19 +201,22 @@ def decode_chunks(
     mode: str,
     group,
     device,
+    cancel_point: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Decode replicated denoised ``chunks`` in ``mode`` and blend: ``video_BCFHW`` on every rank."""
+    """Decode replicated denoised ``chunks`` in ``mode`` and blend: ``video_BCFHW`` on every rank.
+    ``cancel_point`` runs after each chunk (serial, spatial shard) or round (whole tile)."""
     if mode == "whole_tile":
-        return decode_whole_tiles(decode, chunks, plan, num_frames, group=group, device=device)
+        return decode_whole_tiles(decode, chunks, plan, num_frames, group=group, device=device,
+                                  cancel_point=cancel_point)
     if mode == "spatial_shard":
 
         def decode_sharded(latents_BCTHW: torch.Tensor) -> torch.Tensor:
             return decode_spatial_shard(decode, decoder, latents_BCTHW, group)
 
-        return decode_serial(decode_sharded, chunks, plan, num_frames, device=device)
+        return decode_serial(decode_sharded, chunks, plan, num_frames, device=device, cancel_point=cancel_point)
     if mode != "serial":
         raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
-    return decode_serial(decode, chunks, plan, num_frames, device=device)
+    return decode_serial(decode, chunks, plan, num_frames, device=device, cancel_point=cancel_point)
 
 
 def unit_chunks(num_chunks: int, group, unit_size: int = 1) -> list[int]:
@@ -228,11 +236,14 @@ def denoise_decode_tile_parallel(
     group,
     unit_size: int = 1,
     on_progress: StepCallback | None = None,
+    cancel_point: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Tile-parallel denoise + decode per unit, gathered in rounds, pipelined: ``video_BCFHW`` on every rank.
 
     Bit-identical to ``stages.denoise_tiles`` then ``stages.decode_and_blend`` when ``decode`` is
     ``stages.decode_latents`` (``parts.transformer`` sharded, if at all, within each unit only).
+    ``cancel_point`` runs between gathered rounds (every rank takes part in every round), or after
+    each chunk when every rank produces every chunk (one unit or one chunk).
     """
     from tilecast.runtime.k6sr import stages
 
@@ -249,7 +260,9 @@ def denoise_decode_tile_parallel(
 
         if serial:
             decoded = ((ranges[chunk], produce(chunk)) for chunk in own)
-            return decode_serial(lambda video: video, decoded, plan, num_frames, device=parts.device)
+            return decode_serial(lambda video: video, decoded, plan, num_frames, device=parts.device,
+                                 cancel_point=cancel_point)
         return blend_rounds(
-            produce, ranges, plan, num_frames, group=group, device=parts.device, overlap=True, unit_size=unit_size
+            produce, ranges, plan, num_frames, group=group, device=parts.device, overlap=True, unit_size=unit_size,
+            between_rounds=cancel_point,
         )

@@ -44,6 +44,7 @@ diffusers' decode; so does a VAE streamed layer by layer (its hooks sit on those
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,7 @@ class ChannelsLastDecoder:
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
+        self._alive: Callable[[], None] | None = None
         self._indices: dict[tuple, torch.Tensor | None] = {}
         self._check_modules()
         self._channels_last_weights()
@@ -124,8 +126,9 @@ class ChannelsLastDecoder:
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
-    def decode(self, z_BCTHW: torch.Tensor) -> torch.Tensor:
-        """Video ``BCTHW`` of latents ``z_BCTHW`` (divided by the scaling factor), in diffusers' segments."""
+    def decode(self, z_BCTHW: torch.Tensor, *, alive: Callable[[], None] | None = None) -> torch.Tensor:
+        """Video ``BCTHW`` of latents ``z_BCTHW`` (divided by the scaling factor), in diffusers' segments.
+        ``alive()`` is called after every decoder level of every segment (the stuck watchdog's heartbeat)."""
         latent_segment = SEGMENT_FRAMES // self.temporal_ratio
         num_latent_frames = z_BCTHW.shape[2]
         if num_latent_frames == 1:
@@ -136,14 +139,14 @@ class ChannelsLastDecoder:
                 lengths.append((num_latent_frames - 1) % latent_segment)
             lengths[0] += 1
         z_BTHWC = z_BCTHW.permute(0, 2, 3, 4, 1)
-        self._carried = {}
+        self._carried, self._alive = {}, alive
         try:
             segments = [
                 self._segment(part.contiguous(), first=index == 0)
                 for index, part in enumerate(torch.split(z_BTHWC, lengths, dim=1))
             ]
         finally:
-            self._carried = {}
+            self._carried, self._alive = {}, None
         return torch.cat(segments, dim=1).permute(0, 4, 1, 2, 3).contiguous()
 
     # ------------------------------------------------------------------ layers
@@ -158,6 +161,8 @@ class ChannelsLastDecoder:
                 h = self._resnet(block, h, z_BTHWC, first)
             if hasattr(up, "upsample"):
                 h = self._upsample(up.upsample, h, first)
+            if self._alive is not None:
+                self._alive()
         return add_bias_(self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first),
                          decoder.conv_out.conv.bias)
 
