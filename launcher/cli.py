@@ -91,7 +91,11 @@ def _run_ranks(config: ServeConfig, entry) -> int:
     if config.num_gpus == 1:
         return _guarded(entry)
     from tilecast.launcher.torchrun import launch
+    from tilecast.runtime.registry import ensure_builtin_checkpoint
 
+    # A built-in tiny checkpoint is generated here, on this one process, before any rank starts:
+    # the ranks then only verify it (runtime/cache.py), they never build it concurrently.
+    ensure_builtin_checkpoint(config.model_path)
     return launch(config.num_gpus, sys.argv[1:])
 
 

@@ -1,8 +1,9 @@
 """Which pipeline serves a ``--model-path``.
 
 Built-in names (``tiny/k6sr``, ``tiny/flux``, ``random/flux``, ``test/allreduce``, ...) map
-straight to a pipeline class. A local diffusers directory is routed by its ``model_index.json``
-``_class_name``, or by ``--model-id`` when the directory was renamed.
+straight to a pipeline class; the generated ones (``tiny/...``) also to the function that builds
+their checkpoint (``BUILTIN_CHECKPOINTS``). A local diffusers directory is routed by its
+``model_index.json`` ``_class_name``, or by ``--model-id`` when the directory was renamed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ BUILTIN_MODELS: dict[str, str] = {
     "tiny/qwen-image": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
     "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
     "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:WanT2VPipeline",
+}
+
+# built-in name -> "module:function" that returns its generated checkpoint directory (built once)
+BUILTIN_CHECKPOINTS: dict[str, str] = {
+    "tiny/k6sr": "tilecast.runtime.k6sr.tiny:ensure_tiny_k6sr",
+    "tiny/flux": "tilecast.runtime.families.flux:ensure_tiny_flux",
+    "tiny/qwen-image": "tilecast.runtime.families.qwen_image:ensure_tiny_qwen_image",
+    "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ensure_tiny_z_image",
+    "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:ensure_tiny_wan",
 }
 
 # diffusers pipeline class name (model_index.json) -> "module:Class"
@@ -80,6 +90,15 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         f"{path}: pipeline class {class_name!r} is not served by tilecast "
         f"(supported: {', '.join(DIFFUSERS_CLASSES)}); pass --model-id for a renamed checkpoint"
     )
+
+
+def ensure_builtin_checkpoint(model_path: str) -> Path | None:
+    """Generate (or verify) the tiny checkpoint ``model_path`` names; None for any other path.
+
+    The launcher calls this before it starts the ranks, so they find a finished, verified
+    checkpoint instead of building it concurrently (``runtime/cache.py``)."""
+    target = BUILTIN_CHECKPOINTS.get(model_path)
+    return None if target is None else _load(target)()
 
 
 def register_builtin(name: str, target: str) -> None:

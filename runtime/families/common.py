@@ -1,7 +1,7 @@
 """What the batchable text-to-image / text-to-video families share.
 
 - ``T2IParams`` / ``T2VParams``: the request fields (msgspec, unknown fields refused).
-- ``TinyCheckpoint``: the deterministic, atomically written built-in checkpoints
+- ``TinyCheckpoint``: the deterministic built-in checkpoints, built once and verified on every use
   (``<cache>/models/tiny-<family>-v1``; cache ``$TILECAST_CACHE`` or ``~/.cache/tilecast``).
 - ``DiffusersBatchPipeline``: a ``Pipeline`` over a diffusers pipeline object. A merged batch is one
   native diffusers call with a list of prompts and one ``torch.Generator`` per request, seeded by
@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 import torch
 
-from tilecast.runtime.cache import ensure_model_dir
+from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ignored_settings
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
@@ -121,6 +121,9 @@ class TinyCheckpoint:
     """Seed of the random weights."""
     build: Callable[[], Any]
     """Returns the diffusers pipeline object, in memory, float32 (called under the seed)."""
+    ref: str
+    """Where this object lives (``"module:NAME"``): a child interpreter imports it from there to build
+    it where this process's ``save_pretrained`` would skip weights (``runtime/cache.py``)."""
 
     def write(self, target: Path) -> Path:
         """Build and ``save_pretrained`` into ``target`` (which must not exist yet)."""
@@ -131,12 +134,13 @@ class TinyCheckpoint:
         return target
 
     def ensure(self, cache_dir: Path | None = None) -> Path:
-        """The checkpoint's directory, generated on first use.
+        """The checkpoint's directory, verified; generated (once, by one process) when missing or broken.
 
-        Safe against concurrent callers (several ranks): each writes a private temporary directory
-        and renames it into place; the loser of the race discards its copy.
+        See ``runtime/cache.py``: one builder under a file lock, a manifest written last, and a
+        directory that does not match its manifest is rebuilt, never returned.
         """
-        return ensure_model_dir(self.name, self.write, cache_dir)
+        assert resolve_ref(self.ref) is self, f"TinyCheckpoint {self.name}: ref {self.ref!r} names another object"
+        return ensure_model_dir(self.name, f"{self.ref}.write", cache_dir)
 
 
 # ------------------------------------------------------------------------------------ outputs

@@ -104,7 +104,7 @@ def build_tiny_flux():
     return build_flux(flux_configs(TINY_OVERRIDES))
 
 
-TINY_FLUX = TinyCheckpoint(name="tiny-flux-v1", seed=20250701, build=build_tiny_flux)
+TINY_FLUX = TinyCheckpoint(name="tiny-flux-v1", seed=20250701, build=build_tiny_flux, ref=f"{__name__}:TINY_FLUX")
 
 
 def ensure_tiny_flux(cache_dir=None):

@@ -69,7 +69,9 @@ def build_tiny_qwen_image():
     )
 
 
-TINY_QWEN_IMAGE = TinyCheckpoint(name="tiny-qwen-image-v1", seed=20250702, build=build_tiny_qwen_image)
+TINY_QWEN_IMAGE = TinyCheckpoint(
+    name="tiny-qwen-image-v1", seed=20250702, build=build_tiny_qwen_image, ref=f"{__name__}:TINY_QWEN_IMAGE"
+)
 
 
 def ensure_tiny_qwen_image(cache_dir=None):

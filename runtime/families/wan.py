@@ -51,7 +51,7 @@ def build_tiny_wan():
     )
 
 
-TINY_WAN = TinyCheckpoint(name="tiny-wan2.1-t2v-v1", seed=20250704, build=build_tiny_wan)
+TINY_WAN = TinyCheckpoint(name="tiny-wan2.1-t2v-v1", seed=20250704, build=build_tiny_wan, ref=f"{__name__}:TINY_WAN")
 
 
 def ensure_tiny_wan(cache_dir=None):

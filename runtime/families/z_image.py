@@ -51,7 +51,9 @@ def build_tiny_z_image():
     )
 
 
-TINY_Z_IMAGE = TinyCheckpoint(name="tiny-z-image-turbo-v1", seed=20250703, build=build_tiny_z_image)
+TINY_Z_IMAGE = TinyCheckpoint(
+    name="tiny-z-image-turbo-v1", seed=20250703, build=build_tiny_z_image, ref=f"{__name__}:TINY_Z_IMAGE"
+)
 
 
 def ensure_tiny_z_image(cache_dir=None):

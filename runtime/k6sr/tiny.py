@@ -4,8 +4,8 @@ Nothing is downloaded. On first use the checkpoint is generated into
 ``$TILECAST_CACHE/models/tiny-k6sr-v1`` (default cache ``~/.cache/tilecast``) as an ordinary
 diffusers-format directory (``model_index.json`` + ``transformer/``, ``vae/``,
 ``latent_upscaler/``, ``scheduler/``), written by diffusers' ``save_pretrained`` with safetensors.
-Generation is byte-for-byte reproducible, and it is written to a temporary sibling directory that
-is renamed into place, so several ranks may race to create it safely.
+Generation is byte-for-byte reproducible; ``runtime/cache.py`` builds it once (one process under a
+file lock), marks it complete with a manifest and verifies it on every use.
 
 The configs keep every structural constraint of the released model: a 16x spatial / 4x temporal
 K-VAE (five levels), a PiFlow-distilled transformer head (``out_visual_dim = n_grid *
@@ -98,7 +98,7 @@ def ensure_tiny_k6sr(cache_dir: Path | None = None) -> Path:
     """Return the directory of the tiny checkpoint, generating it on first use.
 
     ``cache_dir`` defaults to :func:`default_cache_dir`; the model lives in
-    ``<cache_dir>/models/tiny-k6sr-v1``. Safe against concurrent callers: each writes a private
-    temporary directory and renames it into place; the loser of the race discards its copy.
+    ``<cache_dir>/models/tiny-k6sr-v1``. Safe against concurrent callers, and a directory that
+    does not match its manifest is rebuilt (``runtime/cache.py``).
     """
-    return ensure_model_dir(TINY_NAME, write_tiny_k6sr, cache_dir)
+    return ensure_model_dir(TINY_NAME, f"{__name__}:write_tiny_k6sr", cache_dir)
