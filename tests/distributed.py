@@ -42,7 +42,7 @@ def _tests_importable_without_the_root() -> None:
     import tempfile
     import zlib
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.realpath(__file__))
     holder = os.path.join(tempfile.gettempdir(), f"tilecast-tests-path-{os.getuid()}-{zlib.crc32(package.encode()):08x}")
     link = os.path.join(holder, "tests")
     os.makedirs(holder, exist_ok=True)
