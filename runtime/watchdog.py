@@ -6,7 +6,7 @@ heartbeats stop (the process died) or when no busy rank's counter has moved for
 ``--stuck-timeout-s`` (it is stuck), well before any collective timeout would fire.
 
 The counter moves with every unit of a plan (``RankContext.progress``: a step, a tile) and inside
-long stages without units (``RankContext.alive``: each VAE decoder level, each temporal chunk), so
+long stages without units (``RankContext.alive``: each VAE decoder block, each module call), so
 a legitimately long stage keeps beating; only a rank that stops beating is stuck. A rank waiting
 in a collective for a peer that still beats (uneven tiles, the last round of a gather) is not
 stuck either: the verdict comes once every busy rank is still, and names the one still longest.

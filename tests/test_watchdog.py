@@ -1,13 +1,19 @@
 """The watchdog's rules on a fake clock: silence means dead; stuck means every busy rank stopped
-counting, and a long stage that calls ``ctx.alive()`` keeps counting (the K-VAE decode does, per level)."""
+counting, and a long stage that calls ``ctx.alive()`` keeps counting (the K-VAE decode does, per block)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tilecast.client import ServerDeadError
 
 from tilecast.runtime.pipeline import RankContext
 from tilecast.runtime.watchdog import ProgressBeat, Watchdog, WatchdogConfig
@@ -107,8 +113,8 @@ def test_alive_during_beats_on_every_module_call_and_unhooks():
         net(torch.ones(1, 2))  # no heartbeat: nothing hooked, nothing fails
 
 
-def test_kvae_decode_beats_per_decoder_level():
-    """tilecast's channels-last decoder calls ``alive`` after every level of every segment;
+def test_kvae_decode_beats_per_decoder_block():
+    """tilecast's channels-last decoder calls ``alive`` after every block of every segment;
     diffusers' decode beats through ``alive_during`` (``stages.decode_latents`` either way)."""
     from diffusers import Kandinsky6SRVAE
 
@@ -119,19 +125,19 @@ def test_kvae_decode_beats_per_decoder_level():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         vae = Kandinsky6SRVAE(**VAE_CONFIG).eval().requires_grad_(False)
-    levels = len(vae.decoder.up)
+    blocks = 2 + sum(len(up.block) + hasattr(up, "upsample") for up in vae.decoder.up)  # mid + levels
     latents = torch.randn(1, vae.config.latent_channels, 11, 2, 2)  # three segments (5 + 4 + 2 latent frames)
     beats = []
     parts = SimpleNamespace(vae=vae, decoder=ChannelsLastDecoder(vae))
     stages.decode_latents(parts, latents, alive=lambda: beats.append(1))
-    assert len(beats) == 3 * levels
+    assert len(beats) == 3 * blocks
 
     beat = ProgressBeat()
     ctx = RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
                       heartbeat=beat.tick)
     with torch.no_grad(), ctx.alive_during(vae):
         stages.decode_latents(SimpleNamespace(vae=vae, decoder=None), latents)
-    assert beat.counter > 3 * levels
+    assert beat.counter > 3 * blocks
 
 
 def test_idle_ranks_are_not_stuck_and_config_is_checked(dog):
@@ -142,3 +148,89 @@ def test_idle_ranks_are_not_stuck_and_config_is_checked(dog):
     assert watchdog.check() is None  # rank 1 and 2 idle: no progress is expected
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         WatchdogConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.5)
+
+
+# ------------------------------------------------------------------------------------ served
+@pytest.mark.timeout(120)
+def test_a_served_sr_decode_longer_than_the_stuck_timeout_completes(tmp_path):
+    """One tile of 41 frames: a single decode stage of several seconds on this CPU, against a 2 s
+    ``--stuck-timeout-s``. The decoder's blocks beat, so the job completes and the server serves on."""
+    from tests.media import write_test_video
+    from tilecast.client import Client
+    from tilecast.runtime.config import ServeConfig
+    from tilecast.runtime.inproc import InProcessServer
+
+    video = write_test_video(tmp_path / "long.mp4", 64, 64, 41, 24.0)
+    config = ServeConfig(model_path="tiny/k6sr", device="cpu", port=0, output_dir=tmp_path / "out",
+                         allowed_video_dirs=(tmp_path,), stuck_timeout_s=2.0)
+    with InProcessServer(config) as srv, Client(srv.endpoint) as client:
+        result = client.result(client.submit(video_path=str(video), sr_resolution_scale=2), timeout=100)
+        assert result.job.state == "completed", result.job.error
+        assert result.info["num_tiles"] == 1 and result.info["timings"]["decode"] > 2.0, result.info
+        assert client.health().status == "serving"
+
+
+def _probe_server(tmp_path, *extra: str):
+    from tests.servers import ServerProcess
+
+    return ServerProcess("--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu",
+                         "--output-dir", str(tmp_path), "--stuck-timeout-s", "2", *extra)
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_a_long_beating_stage_completes_and_a_rank_that_stops_is_stuck(tmp_path):
+    """Under a 2 s stuck timeout: 6 s stages that beat complete on both ranks; then a rank whose
+    compute stops (its heartbeat thread still reporting) fails the server as stuck within seconds."""
+    from tilecast.client import Client
+
+    server = _probe_server(tmp_path)
+    try:
+        with server.client() as client:
+            for seed in range(2):
+                result = client.result(client.submit(size=2, seed=seed, stage_s=6.0), timeout=60)
+                assert result.job.state == "completed", (result.job.error, server.log())
+            stopped_at = time.monotonic()
+            hung = client.submit(size=2, hang_rank=1)
+        with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
+            try:
+                outcome = client.result(hung, timeout=30).job.error or ""
+            except ServerDeadError as exc:
+                outcome = str(exc)
+        assert "rank 1 made no progress" in outcome, (outcome, server.log())
+        assert time.monotonic() - stopped_at < 20
+        assert server.wait(timeout=30) != 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_sigstopped_rank_is_declared_dead_while_its_peer_beats(tmp_path):
+    """SIGSTOP freezes a rank's compute and heartbeats alike: even though rank 0 keeps beating in its
+    long stage, the frozen rank is named after ``--heartbeat-timeout-s``."""
+    from tests.servers import rank_pid
+    from tilecast.client import Client
+
+    server = _probe_server(tmp_path, "--heartbeat-timeout-s", "3")
+    worker = None
+    try:
+        with server.client() as client:
+            job = client.submit(size=2, stage_s=60.0)
+            deadline = time.monotonic() + 30
+            while client.status(job).state != "running" and time.monotonic() < deadline:
+                time.sleep(0.05)
+        worker = rank_pid(server.marker, 1)
+        assert worker is not None, server.log()
+        os.kill(worker, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
+            try:
+                outcome = client.result(job, timeout=40).job.error or ""
+            except ServerDeadError as exc:
+                outcome = str(exc)
+        assert "rank 1 sent no heartbeat" in outcome, (outcome, server.log())  # not "stuck": rank 0 beats
+        assert time.monotonic() - stopped_at < 20
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        server.stop()

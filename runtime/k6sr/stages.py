@@ -159,8 +159,8 @@ def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tens
 
 def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor,
                    alive: Callable[[], None] | None = None) -> torch.Tensor:
-    """Decode scaled latents to a float32 ``[-1, 1]`` video. ``alive`` is called per decoder level
-    of tilecast's decoder (diffusers' decode beats through ``RunHooks.alive_during`` on the VAE)."""
+    """Decode scaled latents to a float32 ``[-1, 1]`` video. ``alive`` is called per block of
+    tilecast's decoder (diffusers' decode beats through ``RunHooks.alive_during`` on the VAE)."""
     vae = parts.vae
     latents_BCTHW = latents_BCTHW.to(vae.dtype) / vae.config.scaling_factor
     with on_device(vae):

@@ -151,7 +151,7 @@ class TileWork:
 
         ``timings`` gets ``denoise`` and ``decode`` (incl. blend); under tile-parallel they overlap,
         so all of it is counted as ``denoise`` and ``decode`` is 0. ``hooks`` (``stages.RunHooks``):
-        decoder levels beat the watchdog; cancel points only where every rank of ``group`` meets
+        decoder blocks beat the watchdog; cancel points only where every rank of ``group`` meets
         (each replicated DiT step, each chunk decoded together, each gathered round), never inside a
         unit's own tiles (the units hold different numbers of chunks).
         """

@@ -128,7 +128,8 @@ class ChannelsLastDecoder:
     @torch.no_grad()
     def decode(self, z_BCTHW: torch.Tensor, *, alive: Callable[[], None] | None = None) -> torch.Tensor:
         """Video ``BCTHW`` of latents ``z_BCTHW`` (divided by the scaling factor), in diffusers' segments.
-        ``alive()`` is called after every decoder level of every segment (the stuck watchdog's heartbeat)."""
+        ``alive()`` is called after every resnet block and upsampler of every segment (the stuck
+        watchdog's heartbeat: a long decode is one stage with no other progress)."""
         latent_segment = SEGMENT_FRAMES // self.temporal_ratio
         num_latent_frames = z_BCTHW.shape[2]
         if num_latent_frames == 1:
@@ -153,18 +154,22 @@ class ChannelsLastDecoder:
     def _segment(self, z_BTHWC: torch.Tensor, *, first: bool) -> torch.Tensor:
         decoder = self.decoder
         h = add_bias_(self._causal_conv(decoder.conv_in, z_BTHWC, first), decoder.conv_in.conv.bias)
-        h = self._resnet(decoder.mid.block_1, h, z_BTHWC, first)
-        h = self._resnet(decoder.mid.block_2, h, z_BTHWC, first)
+        h = self._beat(self._resnet(decoder.mid.block_1, h, z_BTHWC, first))
+        h = self._beat(self._resnet(decoder.mid.block_2, h, z_BTHWC, first))
         for level in reversed(range(len(decoder.up))):
             up = decoder.up[level]
             for block in up.block:
-                h = self._resnet(block, h, z_BTHWC, first)
+                h = self._beat(self._resnet(block, h, z_BTHWC, first))
             if hasattr(up, "upsample"):
-                h = self._upsample(up.upsample, h, first)
-            if self._alive is not None:
-                self._alive()
+                h = self._beat(self._upsample(up.upsample, h, first))
         return add_bias_(self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first),
                          decoder.conv_out.conv.bias)
+
+    def _beat(self, h_BTHWC: torch.Tensor) -> torch.Tensor:
+        """``h`` unchanged, after telling ``decode``'s ``alive`` that a block is done."""
+        if self._alive is not None:
+            self._alive()
+        return h_BTHWC
 
     def _causal_input(
         self, layer: Kandinsky6SRCausalConv3d, like: torch.Tensor, shape: tuple[int, ...] | None = None
