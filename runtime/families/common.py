@@ -22,7 +22,6 @@ import dataclasses
 import io
 import logging
 import os
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ignored_settings
+from tilecast.runtime.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg"}
 """``output_format`` values of the T2I families and their MIME types."""
 VIDEO_FORMATS = {"mp4": "video/mp4"}
 """``output_format`` values of the T2V families."""
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+MAX_SEED = 2**64 - 1
+"""Largest ``seed`` (a ``torch.Generator`` takes 64-bit seeds; the wire carries up to uint64)."""
 
 
 # ------------------------------------------------------------------------------------ params
@@ -296,12 +297,9 @@ class DiffusersBatchPipeline(Pipeline):
         formats = IMAGE_FORMATS if self.output_kind == "image" else VIDEO_FORMATS
         if params.output_format not in formats:
             raise ValueError(f"output_format must be one of {', '.join(formats)}, got {params.output_format!r}")
-        if params.output_file_name is not None and (
-            not _SAFE_NAME.match(params.output_file_name) or params.output_file_name.startswith(".")
-        ):
-            raise ValueError(
-                f"output_file_name must be 1-128 letters, digits, '.', '_' or '-' (no path), got {params.output_file_name!r}"
-            )
+        if not 0 <= params.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in 0..2**64-1 (torch's generator range), got {params.seed}")
+        check_output_file_name(params.output_file_name)
         params = msgspec.structs.replace(params, num_inference_steps=steps, guidance_scale=float(guidance))
         if params.negative_prompt is not None and not self.guidance_on(params):
             raise ValueError(f"negative_prompt is ignored by {self.family}: {self.no_guidance_reason(params)}")

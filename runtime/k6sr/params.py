@@ -49,7 +49,8 @@ class SRParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 42
     """Noise seed; tile chunk starting at tile ``t`` uses ``seed + t``."""
     output_file_name: str | None = None
-    """Output file name (no directories); default ``{stem}_srx{scale}_seed{seed}.mp4``."""
+    """Output file name: 1-128 letters, digits, ``._-`` (``SAFE_FILE_NAME``, checked at submit);
+    default ``{stem}_srx{scale}_seed{seed}.mp4``."""
     return_frames: bool = False
     """Also return the output frames as a uint8 ``frames`` tensor (F, H, W, 3)."""
 
@@ -97,12 +98,21 @@ def target_size(
     return (even(new_w), even(new_h)), clamped
 
 
+SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+"""What ``output_file_name`` may be, for every model: 1-128 letters, digits, ``.``, ``_``, ``-``
+(and not starting with ``.``). Checked at submit, so a bad name never costs a compute."""
+
+
 def check_output_file_name(name: str | None) -> None:
-    """Refuse names with directories or that are empty/special."""
+    """``ValueError`` unless ``name`` is None or a safe plain file name (``SAFE_FILE_NAME``)."""
     if name is None:
         return
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise ValueError(f"output_file_name {name!r} must be a plain file name without path separators")
+    if not isinstance(name, str) or not SAFE_FILE_NAME.match(name) or name.startswith("."):
+        shown = name if not isinstance(name, str) or len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
+        raise ValueError(
+            "output_file_name must be 1-128 letters, digits, '.', '_' or '-', not starting with '.' "
+            f"(a plain file name: no path separators), got {shown!r}"
+        )
 
 
 def check_request(params: SRParams) -> None:
