@@ -1,8 +1,10 @@
 """Rank 0's control thread: requests in, job states, batch decisions, replies out.
 
 It never touches a socket (``SocketThread`` does) and never runs a model (the compute loop
-does). It answers status/health/stats/cancel at once, even while a batch is running, and
-hands the compute loop one batch at a time through ``work``.
+does). It answers status/health/stats/cancel/delete at once, even while a batch is running, and
+hands the compute loop one batch at a time through ``work``. The compute thread asks
+``plan_cancelled(seq)`` at the pipeline's cancel points: true once every job of the running batch
+was cancelled, so the batch stops there and writes nothing.
 """
 
 from __future__ import annotations
@@ -19,18 +21,32 @@ from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import Batcher, BatchingConfig, QueuedRequest
 from tilecast.scheduler.batching_metrics import BatchMetrics
 from tilecast.scheduler.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobTable, Waiter
+from tilecast.scheduler.outputs import OutputStore
+from tilecast.scheduler.uploads import materialize, release
 
 logger = logging.getLogger(__name__)
 
 SERVING, STOPPING, DEAD = "serving", "stopping", "dead"
 
 
+class _PlanCancelled:
+    def __repr__(self) -> str:
+        return "PLAN_CANCELLED"
+
+
+PLAN_CANCELLED = _PlanCancelled()
+"""The outcome the compute loop reports for a plan stopped at a cancel point (every job cancelled)."""
+
+
 class Scheduler(threading.Thread):
     """Owns the job table. Events arrive on ``inbox``:
 
-    ``("msg", identity, frames)`` from the socket thread, ``("done", plan_seq, outputs | error)`` and
-    ``("progress", job_id, fraction)`` from the compute loop, ``("fatal", reason)`` from the watchdog,
+    ``("msg", peer, frames)`` from the socket thread, ``("done", plan_seq, outputs | error)`` and
+    ``("progress", plan_seq, fraction)`` from the compute loop, ``("fatal", reason)`` from the watchdog,
     ``("shutdown", reason)`` from whoever stops the server.
+
+    ``peer`` is the socket thread's ``Peer``: replies go back through ``send(peer, frames)``, and a
+    shutdown request is obeyed only from an authenticated or local peer.
     """
 
     def __init__(
@@ -41,6 +57,10 @@ class Scheduler(threading.Thread):
         batching: BatchingConfig,
         max_queued: int,
         world_size: int,
+        outputs: OutputStore | None = None,
+        max_queued_upload_bytes: int = 2**62,
+        max_message_bytes: int = 0,
+        wire_stats=dict,
         clock=time.monotonic,
     ) -> None:
         super().__init__(name="tilecast-scheduler", daemon=True)
@@ -48,7 +68,12 @@ class Scheduler(threading.Thread):
         self.send = send
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.work: "queue.Queue[P.Plan | None]" = queue.Queue(maxsize=1)
-        self.table = JobTable(max_queued=max_queued)
+        self.table = JobTable(max_queued=max_queued, max_queued_upload_bytes=max_queued_upload_bytes)
+        self.outputs = outputs if outputs is not None else OutputStore(None, retention_s=None, max_stored=10_000)
+        self.max_message_bytes = max_message_bytes
+        self.wire_stats = wire_stats
+        """Counters of the socket thread (dropped replies, oversize messages, refused handshakes)."""
+        self.refused_shutdowns = 0
         self.batching = batching
         self.batcher = Batcher(batching, clock=clock)
         self.metrics = BatchMetrics(stats_every=batching.stats_every)
@@ -57,6 +82,8 @@ class Scheduler(threading.Thread):
         self.status = SERVING
         self.status_detail = ""
         self._running: dict[int, list[Job]] = {}
+        self._cancelled_plans: set[int] = set()
+        """Running plans whose every job was cancelled (read by the compute thread)."""
         self._next_seq = 1
         self.stopped = threading.Event()
         """Set once shutdown has been handed to the compute loop (requests are still answered)."""
@@ -77,6 +104,7 @@ class Scheduler(threading.Thread):
                 if event is not None:
                     self._handle(event)
                 self._dispatch()
+                self.outputs.sweep()
             except Exception:  # noqa: BLE001 - one bad event must not kill the scheduler
                 logger.exception("scheduler event %r failed", event and event[0])
 
@@ -95,9 +123,8 @@ class Scheduler(threading.Thread):
         elif kind == "done":
             self._on_done(event[1], event[2])
         elif kind == "progress":
-            job = self.table.get(event[1])
-            if job is not None and job.state == RUNNING:
-                job.progress = float(event[2])
+            for job in self._running.get(event[1], ()):
+                job.progress = max(job.progress, min(1.0, float(event[2])))
         elif kind == "fatal":
             self._on_fatal(event[1])
         elif kind == "shutdown":
@@ -106,7 +133,7 @@ class Scheduler(threading.Thread):
             raise AssertionError(f"unknown event {kind!r}")
 
     # ------------------------------------------------------------------ requests
-    def _on_message(self, identity: bytes, frames: list) -> None:
+    def _on_message(self, identity, frames: list) -> None:
         try:
             msg, payloads = P.decode(frames, allowed=P.REQUEST_TYPES)
         except P.WireError as exc:
@@ -117,16 +144,17 @@ class Scheduler(threading.Thread):
             P.StatusRequest: self._on_status,
             P.ResultRequest: self._on_result,
             P.CancelRequest: self._on_cancel,
+            P.DeleteRequest: self._on_delete,
             P.HealthRequest: self._on_health,
             P.StatsRequest: self._on_stats,
             P.ShutdownRequest: self._on_shutdown,
         }[type(msg)]
         handler(identity, msg, payloads)
 
-    def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
+    def _error(self, identity, req_id: int, code: str, message: str) -> None:
         self._reply(identity, P.ErrorReply(req_id=req_id, code=code, message=message))
 
-    def _on_submit(self, identity: bytes, msg: P.SubmitRequest, payloads: list) -> None:
+    def _on_submit(self, identity, msg: P.SubmitRequest, payloads: list) -> None:
         if self.status != SERVING:
             code = "server_dead" if self.status == DEAD else "stopping"
             return self._error(identity, msg.req_id, code, f"server is {self.status}: {self.status_detail}")
@@ -139,7 +167,9 @@ class Scheduler(threading.Thread):
             job = self._build_job(msg, payloads)
         except ValueError as exc:
             return self._error(identity, msg.req_id, "bad_request", str(exc))
-        self.table.add(job)
+        refusal = self.table.add(job)
+        if refusal is not None:
+            return self._error(identity, msg.req_id, "overloaded", refusal)
         logger.debug("queued %s", job.id)
         self._reply(identity, self._info(job, msg.req_id))
 
@@ -158,7 +188,7 @@ class Scheduler(threading.Thread):
             params = msgspec.convert(msg.params, pipe.params_type)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid request: {exc}") from exc
-        params = pipe.prepare(params, uploads)
+        params = pipe.prepare(params, uploads)  # may pin a server-side file into ``uploads``
         job_id = JobTable.new_id()
         width, height = getattr(params, "width", None), getattr(params, "height", None)
         batching_view = QueuedRequest(
@@ -176,41 +206,71 @@ class Scheduler(threading.Thread):
             started_at=job.started_at, finished_at=job.finished_at,
         )
 
-    def _lookup(self, identity: bytes, req_id: int, job_id: str) -> Job | None:
+    def _lookup(self, identity, req_id: int, job_id: str) -> Job | None:
         job = self.table.get(job_id)
         if job is None:
             self._error(identity, req_id, "not_found", f"no job {job_id!r}")
         return job
 
-    def _on_status(self, identity: bytes, msg: P.StatusRequest, _payloads: list) -> None:
+    def _on_status(self, identity, msg: P.StatusRequest, _payloads: list) -> None:
         if (job := self._lookup(identity, msg.req_id, msg.job_id)) is not None:
             self._reply(identity, self._info(job, msg.req_id))
 
-    def _on_result(self, identity: bytes, msg: P.ResultRequest, _payloads: list) -> None:
+    def _on_result(self, identity, msg: P.ResultRequest, _payloads: list) -> None:
         job = self._lookup(identity, msg.req_id, msg.job_id)
         if job is None:
             return
+        if job.expired is not None:
+            return self._error(identity, msg.req_id, "gone", job.expired)
         waiter = Waiter(identity=identity, req_id=msg.req_id, as_paths=msg.as_paths)
         if job.terminal or not msg.wait:
             self._send_result(job, waiter)
         else:
             job.waiters.append(waiter)
 
-    def _on_cancel(self, identity: bytes, msg: P.CancelRequest, _payloads: list) -> None:
+    def _on_cancel(self, identity, msg: P.CancelRequest, _payloads: list) -> None:
         job = self._lookup(identity, msg.req_id, msg.job_id)
         if job is None:
             return
-        if job.state == QUEUED:
-            self._finish(job, CANCELLED, error="cancelled by client")
-        elif job.state == RUNNING:
-            job.cancel_requested = True
+        self._cancel(job, "cancelled by client")
         self._reply(identity, self._info(job, msg.req_id))
 
-    def _on_health(self, identity: bytes, msg: P.HealthRequest, _payloads: list) -> None:
+    def _cancel(self, job: Job, reason: str) -> None:
+        """Cancel a queued job now; a running one at its batch's next cancel point, once every job
+        of the batch is cancelled (otherwise its output is discarded when the batch ends)."""
+        if job.state == QUEUED:
+            self._finish(job, CANCELLED, error=reason)
+        elif job.state == RUNNING and not job.cancel_requested:
+            job.cancel_requested = True
+            for seq, jobs in self._running.items():
+                if job in jobs and all(other.cancel_requested for other in jobs):
+                    self._cancelled_plans.add(seq)
+
+    def plan_cancelled(self, seq: int) -> bool:
+        """Whether every job of running plan ``seq`` was cancelled (safe from the compute thread)."""
+        return seq in self._cancelled_plans
+
+    def _on_delete(self, identity, msg: P.DeleteRequest, _payloads: list) -> None:
+        job = self._lookup(identity, msg.req_id, msg.job_id)
+        if job is None:
+            return
+        self._cancel(job, "deleted by client")
+        info = self._info(job, msg.req_id)
+        job.deleted = True
+        if job.terminal:
+            self._forget(job)
+        self._reply(identity, info)
+
+    def _forget(self, job: Job) -> None:
+        self.outputs.remove(job, f"job {job.id} was deleted")
+        self.table.forget(job)
+
+    def _on_health(self, identity, msg: P.HealthRequest, _payloads: list) -> None:
         self._reply(identity, P.HealthReply(
             req_id=msg.req_id, status=self.status, world_size=self.world_size,
             model=self.pipeline.model_name, queue_depth=len(self.table.queue),
             running=sum(len(jobs) for jobs in self._running.values()), detail=self.status_detail,
+            max_message_bytes=self.max_message_bytes,
         ))
 
     def stats(self) -> dict[str, Any]:
@@ -220,6 +280,15 @@ class Scheduler(threading.Thread):
             "model": self.pipeline.model_name,
             "queue_depth": len(self.table.queue),
             "jobs": self.table.counts(),
+            "queued_upload_bytes": self.table.uploads.held,
+            "refused": {
+                "queued_upload_cap": self.table.uploads.refused,
+                "shutdown": self.refused_shutdowns,
+                **{key: value for key, value in self.wire_stats().items() if key != "dropped_replies"},
+            },
+            "dropped_replies": self.wire_stats().get("dropped_replies", 0),
+            "stored_outputs": len(self.outputs),
+            "deleted_outputs": self.outputs.deleted,
             "batching": {
                 "mode": self.batching.mode,
                 "max_size": self.batching.max_size,
@@ -228,10 +297,15 @@ class Scheduler(threading.Thread):
             },
         }
 
-    def _on_stats(self, identity: bytes, msg: P.StatsRequest, _payloads: list) -> None:
+    def _on_stats(self, identity, msg: P.StatsRequest, _payloads: list) -> None:
         self._reply(identity, P.StatsReply(req_id=msg.req_id, stats=self.stats()))
 
-    def _on_shutdown(self, identity: bytes, msg: P.ShutdownRequest, _payloads: list) -> None:
+    def _on_shutdown(self, identity, msg: P.ShutdownRequest, _payloads: list) -> None:
+        if not (identity.authenticated or identity.local):
+            self.refused_shutdowns += 1
+            return self._error(identity, msg.req_id, "forbidden",
+                               "shutdown over the network needs the server's API key (--api-key); without one"
+                               " it is accepted only from this machine")
         self.begin_shutdown("shutdown requested by a client")
         self._on_health(identity, P.HealthRequest(req_id=msg.req_id), [])
 
@@ -262,12 +336,16 @@ class Scheduler(threading.Thread):
             return
         jobs = [self.table.get(job_id) for job_id in decision.job_ids]
         self.table.start(jobs)
+        items = []
+        for job in jobs:
+            items.append(P.PlanItem(job_id=job.id, params=job.wire_params, uploads=materialize(job.uploads)))
+            release(job.uploads)
+            job.uploads = {}
         for line in self.metrics.record(decision, self.batching.user_max):
             if self.batching.enable_metrics:
                 logger.info("%s", line)
         seq = self._take_seq()
         self._running[seq] = jobs
-        items = [P.PlanItem(job_id=job.id, params=job.wire_params, uploads=job.uploads) for job in jobs]
         self._send_plan(P.Plan(seq=seq, kind="run", items=items))
 
     def _take_seq(self) -> int:
@@ -278,15 +356,21 @@ class Scheduler(threading.Thread):
         self.work.put(plan)  # the compute loop is idle whenever we get here: never blocks
 
     def _on_done(self, seq: int, result) -> None:
+        """A plan ended: ``result`` is its outputs, ``PLAN_CANCELLED``, or an error message."""
         jobs = self._running.pop(seq)
+        self._cancelled_plans.discard(seq)
+        if result is PLAN_CANCELLED:
+            for job in jobs:
+                self._finish(job, CANCELLED, error="cancelled by client while running; stopped before the end")
+            return
         if isinstance(result, BaseException) or isinstance(result, str):
             message = str(result)
             for job in jobs:
                 self._finish(job, FAILED, error=message)
             return
         for job, output in zip(jobs, result, strict=True):
-            if job.cancel_requested:
-                self._finish(job, CANCELLED, error="cancelled by client while running")
+            if job.cancel_requested:  # its batch companions ran on: its output is discarded
+                self._finish(job, CANCELLED, error="cancelled by client while running", output=output)
             else:
                 self._finish(job, COMPLETED, output=output)
 
@@ -301,10 +385,17 @@ class Scheduler(threading.Thread):
 
     # ------------------------------------------------------------------ replies
     def _finish(self, job: Job, state: str, *, error: str | None = None, output=None) -> None:
-        self.table.finish(job, state, error=error, output=output)
+        """Make ``job`` terminal, keep or drop its files, answer its waiters."""
+        for evicted in self.table.finish(job, state, error=error, output=output):
+            self.outputs.remove(evicted, f"job {evicted.id} was forgotten")
+        self.outputs.add(job)  # a failed or cancelled job's files and folder go now
+        if state != COMPLETED:
+            job.output = None
         waiters, job.waiters = job.waiters, []
         for waiter in waiters:
             self._send_result(job, waiter)
+        if job.deleted:
+            self._forget(job)
 
     def _send_result(self, job: Job, waiter: Waiter) -> None:
         metas, frames, info = [], [], {}
@@ -327,5 +418,5 @@ class Scheduler(threading.Thread):
         reply = P.ResultReply(req_id=waiter.req_id, job=self._info(job, waiter.req_id), outputs=metas, info=info)
         self.send(waiter.identity, P.encode(reply, *frames))
 
-    def _reply(self, identity: bytes, msg: msgspec.Struct) -> None:
+    def _reply(self, identity, msg: msgspec.Struct) -> None:
         self.send(identity, P.encode(msg))
