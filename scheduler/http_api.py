@@ -12,7 +12,7 @@ Routes::
     GET    /v1/videos                jobs created here, newest first (?limit=20&after=ID)
     GET    /v1/videos/{id}           status, progress (percent), error
     GET    /v1/videos/{id}/content   the MP4 once completed (404 unknown id, 409 not completed)
-    DELETE /v1/videos/{id}           cancel a queued or running job (409 when already finished)
+    DELETE /v1/videos/{id}           delete a job: cancel it if unfinished, remove its files (OpenAI's video.deleted)
     POST   /v1/images/generations    JSON: prompt, n, size "WxH", seed, response_format b64_json, extras
     GET    /v1/models                the served model
     GET    /health                   200 {"status": "ok"} when serving; 503 when dead/stopping/silent
@@ -24,6 +24,12 @@ scheduler checks them). A bad value is a 400 whose ``error.param`` names the fie
 OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Metrics and their sources: ``http_metrics``. Running it under uvicorn on rank 0: ``http_server``.
+
+Hardening: with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401,
+counted); JSON bodies are limited to ``MAX_JSON_BYTES`` (413 from Content-Length or while a chunked
+body streams), multipart file parts spool to disk past ``UPLOAD_SPOOL_BYTES``; values the wire
+cannot carry (integers past 64 bits, lone surrogates) are 400s naming the field; a client that
+disconnects while ``/v1/images/generations`` waits gets its jobs cancelled (recorded as 499).
 
 Uploads: the ``video_reference`` part must be ``video/*``; ``application/octet-stream`` (what
 curl sends for ``-F f=@x.mp4`` without ``;type=``) and a part without a type are accepted too,
@@ -37,6 +43,7 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import math
@@ -50,6 +57,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Route
@@ -66,11 +74,26 @@ _ACCEPTED_UPLOAD_TYPES = ("application/octet-stream",)
 """Non-``video/*`` part types accepted for ``video_reference`` (the pipeline still probes the bytes)."""
 _STATUS_NAMES = {"running": "in_progress"}
 """Scheduler state -> OpenAI video status (queued, in_progress, completed, failed, cancelled)."""
-_SERVER_CODES = {"bad_request": 400, "not_found": 404, "overloaded": 503, "server_dead": 503, "stopping": 503}
+_SERVER_CODES = {"bad_request": 400, "forbidden": 403, "not_found": 404, "gone": 410, "overloaded": 503,
+                 "server_dead": 503, "stopping": 503}
 _MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+OPEN_PATHS = frozenset({"/health"})
+"""Routes served without the API key (liveness probes)."""
 _ZMQ_OVERHEAD_BYTES = 64 * 1024
 """Headroom for the submit message's body next to an uploaded payload (ZMQ_MAXMSGSIZE check)."""
+MAX_JSON_BYTES = 2**20
+"""Largest JSON request body (1 MiB; a 20,000-character prompt is at most ~120 KB even \\u-escaped). A
+larger one is a 413 from its Content-Length, or as soon as a chunked body passes it, never read
+whole into memory. Files travel as multipart uploads, under ``--max-upload-mb``."""
+UPLOAD_SPOOL_BYTES = 2**20
+"""A multipart file part past this size is spooled to a temporary file on disk as it arrives
+(starlette's ``SpooledTemporaryFile``), instead of growing in memory."""
+MAX_WIRE_INT = 2**64 - 1
+MIN_WIRE_INT = -(2**63)
+"""Integers outside ``MIN_WIRE_INT..MAX_WIRE_INT`` do not fit the wire (msgpack int64 / uint64): 400."""
+CLIENT_CLOSED_REQUEST = 499
+"""Status recorded (nginx's convention) when the HTTP client went away before its answer."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +134,19 @@ class ApiConfig:
     """How many HTTP-created video job ids ``GET /v1/videos`` remembers."""
     max_images: int = 10
     """Largest ``n`` of an image request."""
+    max_json_bytes: int = MAX_JSON_BYTES
+    """Largest JSON request body (``MAX_JSON_BYTES``); uploads have ``max_upload_bytes``."""
+    upload_spool_bytes: int = UPLOAD_SPOOL_BYTES
+    """Multipart file parts past this size are spooled to disk while they arrive."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (None: open); the
+    front end also presents it to the scheduler (it is a ZeroMQ client like any other)."""
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:
             raise ValueError(f"max_upload_bytes must be >= 1, got {self.max_upload_bytes}")
+        if self.max_json_bytes < 1:
+            raise ValueError(f"max_json_bytes must be >= 1, got {self.max_json_bytes}")
         if self.health_timeout_s <= 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
 
@@ -138,6 +170,44 @@ class ApiError(Exception):
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected while its request was waiting for results."""
+
+
+def check_wire_values(fields: dict[str, Any]) -> None:
+    """400 naming the field for values the ZeroMQ wire cannot carry: integers past 64 bits and
+    strings that are not valid Unicode (a lone UTF-16 surrogate such as JSON's ``"\\ud800"``)."""
+
+    def bad(value: Any) -> str | None:
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, int):
+            return None if MIN_WIRE_INT <= value <= MAX_WIRE_INT else f"the integer {value} does not fit in 64 bits"
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"not valid Unicode: a lone surrogate {value[exc.start]!r} at character {exc.start}"
+            return None
+        if isinstance(value, dict):
+            return next((why for item in value.items() for why in map(bad, item) if why), None)
+        if isinstance(value, (list, tuple)):
+            return next((why for why in map(bad, value) if why), None)
+        return None
+
+    for name, value in fields.items():
+        why = bad(name) or bad(value)
+        if why:
+            shown = name.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+            raise ApiError(400, f"invalid value for {shown!r}: {why}", param=shown, code="invalid_value")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _from_client_error(exc: Exception) -> ApiError:
@@ -234,7 +304,7 @@ class HttpApi:
             Route("/v1/videos", self.create_video, methods=["POST"]),
             Route("/v1/videos", self.list_videos, methods=["GET"]),
             Route("/v1/videos/{video_id}", self.get_video, methods=["GET"]),
-            Route("/v1/videos/{video_id}", self.cancel_video, methods=["DELETE"]),
+            Route("/v1/videos/{video_id}", self.delete_video, methods=["DELETE"]),
             Route("/v1/videos/{video_id}/content", self.video_content, methods=["GET"]),
             Route("/v1/images/generations", self.create_images, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
@@ -253,7 +323,7 @@ class HttpApi:
 
     # ------------------------------------------------------------------ ASGI plumbing
     async def __call__(self, scope, receive, send) -> None:
-        """Count every HTTP request by route template and status."""
+        """Check the API key, then count every HTTP request by route template and status."""
         if scope["type"] != "http":
             return await self._app(scope, receive, send)
         started, status = time.perf_counter(), [500]
@@ -264,9 +334,31 @@ class HttpApi:
             await send(message)
 
         try:
-            await self._app(scope, receive, send_counting)
+            if self._authorized(scope):
+                await self._app(scope, receive, send_counting)
+            else:
+                self.metrics.unauthorized += 1
+                await self._unauthorized(scope)(scope, receive, send_counting)
         finally:
             self.metrics.http(scope["method"], self._route_of(scope), status[0], time.perf_counter() - started)
+
+    def _authorized(self, scope) -> bool:
+        """Whether the request may pass: no key configured, ``/health``, or the right Bearer token."""
+        key = self.config.api_key
+        if key is None or scope["path"] in OPEN_PATHS:
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    @staticmethod
+    def _unauthorized(scope) -> Response:
+        given = any(name == b"authorization" for name, _ in scope["headers"])
+        message = ("Incorrect API key provided" if given else
+                   "Missing API key: send 'Authorization: Bearer <key>' (the server's --api-key)")
+        response = ApiError(401, message, code="invalid_api_key").response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     def _route_of(self, scope) -> str:
         for route in self.routes:
@@ -277,7 +369,7 @@ class HttpApi:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):
-        self.client = AsyncClient(self.config.endpoint, timeout=30.0)
+        self.client = AsyncClient(self.config.endpoint, timeout=30.0, api_key=self.config.api_key)
         try:
             yield
         finally:
@@ -299,9 +391,9 @@ class HttpApi:
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal").response()
 
     # ------------------------------------------------------------------ body reading
-    def _limited(self, request: Request) -> Request:
-        """413 at once on a too-large Content-Length; otherwise a request whose body is counted as it streams."""
-        limit = self.config.max_upload_bytes
+    def _limited(self, request: Request, limit: int, too_large) -> Request:
+        """413 (``too_large(size)``) at once on a Content-Length over ``limit``; otherwise a request
+        whose body is counted as it streams and refused (``_BodyTooLarge``) once it passes ``limit``."""
         raw = request.headers.get("content-length")
         if raw is not None:
             try:
@@ -309,7 +401,7 @@ class HttpApi:
             except ValueError:
                 raise ApiError(400, f"invalid Content-Length {raw!r}") from None
             if declared > limit:
-                raise self._too_large(declared)
+                raise too_large(declared)
         received = 0
 
         async def receive():
@@ -329,25 +421,42 @@ class HttpApi:
         return ApiError(413, f"{what} exceeds the upload limit of {limit_mb:g} MiB (--max-upload-mb)",
                         code="payload_too_large")
 
+    def _json_too_large(self, size: int | None = None) -> ApiError:
+        limit = self.config.max_json_bytes
+        what = f"the {size}-byte JSON body" if size is not None else "the JSON body"
+        return ApiError(413, f"{what} exceeds the {limit / 2**20:g} MiB ({limit} bytes) limit of JSON requests;"
+                             " send files as multipart/form-data uploads", code="payload_too_large")
+
     async def _read_json(self, request: Request) -> dict[str, Any]:
         try:
-            body = await self._limited(request).body()
+            body = await self._limited(request, self.config.max_json_bytes, self._json_too_large).body()
         except _BodyTooLarge:
-            raise self._too_large() from None
+            raise self._json_too_large() from None
+
+        def no_constant(name: str):
+            raise ValueError(f"{name} is not a JSON number")
+
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = json.loads(body, parse_constant=no_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
         return data
 
     async def _read_multipart(self, request: Request) -> tuple[dict[str, str], bytes | None]:
-        limited = self._limited(request)
+        """The form's fields and the video's bytes. The body is counted as it arrives (413 past
+        ``--max-upload-mb``) and a file part past ``upload_spool_bytes`` is spooled to disk; only a
+        complete, accepted upload is read into memory, to be sent to the scheduler."""
+        limited = self._limited(request, self.config.max_upload_bytes, self._too_large)
+        parser = MultiPartParser(limited.headers, limited.stream(), max_files=1, max_fields=64)
+        parser.spool_max_size = self.config.upload_spool_bytes
         try:
-            form = await limited.form(max_files=1, max_fields=64)
+            form = await parser.parse()
         except _BodyTooLarge:
             raise self._too_large() from None
+        except MultiPartException as exc:
+            raise ApiError(400, f"malformed multipart body: {exc.message}", code="invalid_multipart") from None
         try:
             fields: dict[str, str] = {}
             video = None
@@ -391,6 +500,7 @@ class HttpApi:
         return self.model.name if self.model is not None else None
 
     async def _submit(self, fields: dict[str, Any]) -> str:
+        check_wire_values(fields)
         try:
             return await self.client.submit(**fields)
         except ServerError as exc:
@@ -406,6 +516,20 @@ class HttpApi:
             if exc.code == "not_found":
                 raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
             raise
+
+    @staticmethod
+    async def _unless_disconnected(request: Request, awaitable):
+        """``awaitable``'s result; ``_ClientGone`` (``awaitable`` cancelled) if the client disconnects first."""
+        work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.cancelled() and work.done():
+            return work.result()
+        raise _ClientGone()
 
     def _remember(self, job_id: str) -> None:
         self._video_ids[job_id] = None
@@ -484,21 +608,17 @@ class HttpApi:
     async def get_video(self, request: Request) -> Response:
         return JSONResponse(video_object(await self._status(request.path_params["video_id"]), self._model_name()))
 
-    async def cancel_video(self, request: Request) -> Response:
+    async def delete_video(self, request: Request) -> Response:
+        """OpenAI's DELETE: cancel the job if it has not finished, delete its files, forget it."""
         job_id = request.path_params["video_id"]
-        info = await self._status(job_id)
-        if info.state in ("completed", "failed", "cancelled"):
-            raise ApiError(409, f"job {job_id} is already {info.state}; only queued or running jobs can be cancelled",
-                           param="video_id", code="not_cancellable")
         try:
-            info = await self.client.cancel(job_id)
+            await self.client.delete(job_id)
         except ServerError as exc:
             if exc.code == "not_found":
                 raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
             raise
-        body = video_object(info, self._model_name())
-        body["cancel_requested"] = True  # a running job turns cancelled when its batch ends
-        return JSONResponse(body)
+        self._video_ids.pop(job_id, None)
+        return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
 
     async def video_content(self, request: Request) -> Response:
         job_id = request.path_params["video_id"]
@@ -559,8 +679,11 @@ class HttpApi:
                     raise ApiError(400, f"give either size or {key}, not both", param=key, code="invalid_value")
             body["width"], body["height"] = size
         seed = body.pop("seed", None)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ApiError(400, f"seed must be a non-negative integer, got {seed!r}", param="seed", code="invalid_value")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_WIRE_INT):
+            raise ApiError(400, f"seed must be an integer in 0..2**64-1, got {seed!r}", param="seed", code="invalid_value")
+        if seed is not None and seed + n - 1 > MAX_WIRE_INT:
+            raise ApiError(400, f"seed {seed} with n={n}: the images use seeds {seed}..{seed + n - 1}, past 2**64-1",
+                           param="seed", code="invalid_value")
         if "video" in body:
             raise ApiError(400, "'video' is not a field of an image request", param="video", code="unknown_field")
         base_seed = seed if seed is not None else secrets.randbelow(2**31)
@@ -574,11 +697,14 @@ class HttpApi:
             errors = [exc for exc in submitted if isinstance(exc, BaseException)]
             if errors:
                 raise errors[0]
-            results = await asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids))
-        except BaseException:
-            for job_id in job_ids:
-                with contextlib.suppress(Exception):
-                    await self.client.cancel(job_id)
+            results = await self._unless_disconnected(
+                request, asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids)))
+        except BaseException as exc:
+            await asyncio.gather(*(self.client.cancel(job_id) for job_id in job_ids), return_exceptions=True)
+            if isinstance(exc, _ClientGone):
+                self.metrics.disconnected += 1
+                logger.info("HTTP client left before its %d image(s): cancelled %s", len(job_ids), ", ".join(job_ids))
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             raise
         data = []
         for result in results:

@@ -58,6 +58,10 @@ class FrontEndMetrics:
         self.jobs_seconds: dict[str, Histogram] = {}
         self.queue_seconds = Histogram(LATENCY_BUCKETS)
         self.stage_seconds: dict[str, list[float]] = {}  # stage -> [sum, count]
+        self.unauthorized = 0
+        """Requests refused for a missing or wrong API key (401)."""
+        self.disconnected = 0
+        """Requests whose client went away while they waited; their jobs were cancelled."""
 
     def http(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests[(method, route, str(status))] += 1
@@ -144,9 +148,26 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
                cumulative.get("wait_avg_ms", 0.0) / 1000.0)
     out.simple("tilecast_batch_queue_wait_p95_seconds", "gauge",
                "Nearest-rank p95 queue wait of batch heads (recent dispatches).", cumulative.get("wait_p95_ms", 0.0) / 1000.0)
+    out.family("tilecast_refused", "counter",
+               "What the scheduler refused: ZeroMQ handshakes without the API key, shutdowns from strangers,"
+               " oversize messages, submits over the queued-upload cap.",
+               [("tilecast_refused_total", {"reason": reason}, count)
+                for reason, count in sorted((stats.get("refused") or {}).items())])
+    out.family("tilecast_dropped_replies", "counter", "Replies that could not be delivered (client gone or saturated).",
+               [("tilecast_dropped_replies_total", {}, stats.get("dropped_replies", 0))])
+    out.simple("tilecast_stored_outputs", "gauge", "Finished jobs whose output files are on disk.",
+               stats.get("stored_outputs", 0))
+    out.family("tilecast_deleted_outputs", "counter",
+               "Jobs whose output files were deleted (DELETE, --output-retention-s, --max-stored-outputs).",
+               [("tilecast_deleted_outputs_total", {}, stats.get("deleted_outputs", 0))])
 
 
 def front_end_metrics(out: Exposition, metrics: FrontEndMetrics) -> None:
+    out.family("tilecast_http_unauthorized", "counter", "HTTP requests refused for a missing or wrong API key (401).",
+               [("tilecast_http_unauthorized_total", {}, metrics.unauthorized)])
+    out.family("tilecast_http_client_disconnects", "counter",
+               "HTTP requests whose client disconnected while waiting; their jobs were cancelled.",
+               [("tilecast_http_client_disconnects_total", {}, metrics.disconnected)])
     out.family("tilecast_http_requests", "counter", "HTTP requests by method, route and status.",
                [("tilecast_http_requests_total", {"method": m, "route": r, "status": s}, n)
                 for (m, r, s), n in sorted(metrics.requests.items())])

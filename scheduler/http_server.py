@@ -49,12 +49,12 @@ class HttpFrontEnd:
 
     @classmethod
     def for_scheduler(cls, *, endpoint: str, pipeline=None, host: str, port: int, max_upload_mb: float,
-                      max_message_mb: float | None = None) -> "HttpFrontEnd":
+                      max_message_mb: float | None = None, api_key: str | None = None) -> "HttpFrontEnd":
         """The front end of the scheduler at ``endpoint`` serving ``pipeline`` (rank 0's copy)."""
         config = ApiConfig(
             endpoint=connectable(endpoint), max_upload_bytes=int(max_upload_mb * 2**20),
             max_message_bytes=int(max_message_mb * 2**20) if max_message_mb else None,
-            model=ModelInfo.from_pipeline(pipeline) if pipeline is not None else None,
+            model=ModelInfo.from_pipeline(pipeline) if pipeline is not None else None, api_key=api_key,
         )
         return cls(HttpApi(config), host=host, port=port)
 
