@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,8 +21,7 @@ import av
 from rich.console import Console
 from rich.table import Table
 
-from tilecast.client import Client
-from tilecast.launcher.torchrun import free_port
+from tilecast.client import Client, read_ready_file
 from tilecast.runtime.synthetic import write_test_video
 
 console = Console()
@@ -52,17 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     small = write_test_video(inputs / "small.mp4", 32, 32, 9, 30.0)
     console.print(f"inputs: {landscape.name} ({describe(landscape)}), {small.name} ({describe(small)})")
 
-    port = free_port()
+    ready_file = Path(tempfile.mkdtemp(prefix="tilecast-demo-")) / "ready.json"
     command = [
         sys.executable, "-m", "tilecast", "serve", "--model-path", "tiny/k6sr", "--num-gpus", str(args.num_gpus),
-        "--device", "cpu", "--port", str(port), "--allowed-video-dir", str(inputs),
+        "--device", "cpu", "--port", "0", "--ready-file", str(ready_file), "--allowed-video-dir", str(inputs),
         "--output-dir", str(out / "server"), "--vae-config.use-parallel-tiling", "true",
     ]
     console.print("[dim]$ " + " ".join(command[1:]).replace(sys.executable, "python"))
     server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    endpoint = f"tcp://127.0.0.1:{port}"
     table = Table("request", "output", "video")
     try:
+        endpoint = read_ready_file(ready_file, timeout=300).endpoint
         with Client(endpoint) as client:
             health = client.wait_ready(300)
             console.print(f"server up: {health.model} on {health.world_size} ranks ({endpoint})")

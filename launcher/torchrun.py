@@ -1,9 +1,19 @@
 """Start N local ranks of this very command through torchrun, and leave nothing behind.
 
 ``tilecast serve --num-gpus 2 ...`` re-runs itself as ``python -m torch.distributed.run
---nproc-per-node 2 -m tilecast serve ...``; under torchrun (``RANK`` set) the same command runs
-as one rank. SIGINT/SIGTERM go to torchrun, which stops the ranks; any rank still alive
-afterwards (found through the pid files ranks write into ``TILECAST_RUN_DIR``) is killed.
+--standalone --nproc-per-node 2 -m tilecast serve ...``; under torchrun (``RANK`` set) the same
+command runs as one rank. SIGINT/SIGTERM go to torchrun, which stops the ranks; any rank still
+alive afterwards (found through the pid files ranks write into ``TILECAST_RUN_DIR``) is killed.
+
+- **Rendezvous**: ``--standalone`` makes the torchrun agent host the c10d store on a port the OS
+  picks (``localhost:0``) and share that same listening store with its workers
+  (``TORCHELASTIC_USE_AGENT_STORE``; ``MASTER_PORT`` is the store's bound port), so there is no
+  port picked here that someone else could take before torchrun binds it.
+- **Orphans**: torchrun starts through a small exec wrapper that asks Linux to send it SIGTERM
+  when this launcher dies (``PR_SET_PDEATHSIG``, which survives ``exec``) and exits at once if the
+  launcher is already gone; each rank in turn dies with the torchrun agent
+  (``runtime/distributed.die_with_parent``, told the launcher's pid by ``TILECAST_LAUNCHER_PID``).
+  A ``kill -9`` of the launcher so takes everything under it down within seconds.
 """
 
 from __future__ import annotations
@@ -11,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,22 +30,35 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "launcher = int(sys.argv[1])\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != launcher:  # the launcher died before prctl took effect\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+"""Run as ``python -c _DIE_WITH_LAUNCHER <launcher pid> <argv...>``: exec ``python <argv...>`` with a
+parent-death signal set (no ``preexec_fn``: the launcher already has threads, numpy's BLAS pool)."""
 
 
-def torchrun_command(nproc: int, args: list[str], *, master_port: int) -> list[str]:
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        "-m", "torch.distributed.run",
+        "--standalone",
         "--nnodes", "1",
         "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(master_port),
+        "--local-addr", "127.0.0.1",
         "--max-restarts", "0",
         "-m", "tilecast", *args,
     ]
+
+
+def with_parent_death_signal(argv: list[str]) -> list[str]:
+    """``python <argv>`` that gets SIGTERM when this process dies (Linux; plain elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return [sys.executable, *argv]
+    return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
 
 
 def _alive_tilecast(pid: int) -> bool:
@@ -72,7 +94,8 @@ def launch(nproc: int, args: list[str], *, grace_s: float = 30.0) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory(prefix="tilecast-run-") as run_dir:
         env["TILECAST_RUN_DIR"] = run_dir
-        command = torchrun_command(nproc, args, master_port=free_port())
+        env["TILECAST_LAUNCHER_PID"] = str(os.getpid())
+        command = with_parent_death_signal(torchrun_command(nproc, args))
         logger.debug("launching %s", " ".join(command))
         child = subprocess.Popen(command, env=env, start_new_session=True)
         stop_requested: list[float] = []  # monotonic time of each stop signal

@@ -26,13 +26,31 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (Linux ``/proc``), None when unknown."""
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies."""
+    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies.
+
+    The agent may already be gone by the time this runs (the launcher was killed while the rank
+    started): under ``tilecast serve``'s launcher (``TILECAST_LAUNCHER_PID``) the parent must be a
+    child of that launcher, else this rank exits at once instead of serving as an orphan.
+    """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: torchrun's own teardown still applies
-        pass
+        return
+    launcher = os.environ.get("TILECAST_LAUNCHER_PID")
+    if launcher and launcher.isdigit() and _parent_of(os.getppid()) != int(launcher):
+        logger.error("tilecast: the launcher (pid %s) or torchrun is gone; this rank exits", launcher)
+        os._exit(1)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,6 +132,13 @@ def broadcast_plan(plan: P.Plan | None, ranks: Ranks) -> P.Plan:
     """Rank 0 passes the plan; every rank returns it."""
     data = broadcast_bytes(P.encode_plan(plan) if ranks.rank == 0 else None, ranks)
     return plan if ranks.rank == 0 else P.decode_plan(data)
+
+
+def broadcast_flag(flag: bool, group) -> bool:
+    """Rank 0's ``flag`` on every rank of ``group`` (a CPU group)."""
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return bool(tensor.item())
 
 
 def all_ranks_ok(ok: bool, ranks: Ranks) -> bool:

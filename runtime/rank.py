@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -36,26 +37,55 @@ def configure_logging(rank: int, level: str = "INFO") -> None:
 
 
 class SignalWatcher(threading.Thread):
-    """Receives SIGINT/SIGTERM in a thread of its own (blocked everywhere else), so a main thread
-    stuck inside a collective cannot delay shutdown."""
+    """Receives SIGINT/SIGTERM in a thread of its own, so a main thread stuck inside a collective
+    cannot delay shutdown.
+
+    The signals are blocked in the main thread before it starts any thread, so every thread
+    tilecast starts inherits the mask. A library may already have started threads of its own with
+    the signals unblocked: numpy's OpenBLAS starts its thread pool when torch imports numpy (one
+    thread per extra core unless ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` say 1, which is why a
+    one-rank server died of SIGTERM while torchrun's ranks, started with ``OMP_NUM_THREADS=1``, did
+    not). The kernel may deliver a signal to such a thread, so the signals get a Python handler
+    (never the default, which kills the process) and a wakeup file descriptor: CPython's C-level
+    handler writes the signal number to it in whichever thread the signal lands, and this thread,
+    the only tilecast thread with the signals unblocked, reads it and calls ``on_signal``.
+    """
 
     SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
-    def __init__(self, on_signal: Callable[[int], None]) -> None:
+    def __init__(self, on_signal: Callable[[int], None], wakeup: socket.socket) -> None:
         super().__init__(name="tilecast-signals", daemon=True)
         self.on_signal = on_signal
+        self._wakeup = wakeup
 
     @classmethod
     def install(cls, on_signal: Callable[[int], None]) -> "SignalWatcher":
-        # Block before any other thread exists, so every later thread inherits the mask.
+        """Call from the main thread, before starting any other thread."""
+        assert threading.current_thread() is threading.main_thread(), "signals are installed from the main thread"
         signal.pthread_sigmask(signal.SIG_BLOCK, cls.SIGNALS)
-        watcher = cls(on_signal)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        for signum in cls.SIGNALS:
+            signal.signal(signum, cls._noted)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        watcher = cls(on_signal, reader)
+        watcher._writer = writer  # kept open for the life of the process
         watcher.start()
         return watcher
 
+    @staticmethod
+    def _noted(signum, _frame) -> None:
+        """The Python-level handler (main thread, later): the watcher already acted on the signal."""
+
     def run(self) -> None:
-        signum = signal.sigwait(self.SIGNALS)
-        self.on_signal(signum)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+        while True:
+            data = self._wakeup.recv(1)
+            if not data:
+                return
+            if data[0] in self.SIGNALS:
+                self.on_signal(data[0])
+                return
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -109,7 +139,7 @@ def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] |
     ctx = RankContext(
         rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, cpu_group=ranks.cpu_group,
         device_group=ranks.device_group, output_dir=config.output_dir, options=config.pipeline_options(),
-        on_progress=progress, groups=build_groups(config, ranks),
+        on_progress=progress, heartbeat=beat.tick, groups=build_groups(config, ranks),
     )
     error = None
     pipeline = None

@@ -14,14 +14,20 @@ import signal
 import threading
 import time
 
+import zmq
+
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import broadcast_bytes, shutdown_ranks
+from tilecast.runtime.pipeline import PlanHooks
 from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
 from tilecast.runtime.watchdog import HeartbeatSender, Watchdog, WatchdogConfig
 from tilecast.runtime.worker import compute_loop, queue_source
+from tilecast.scheduler.auth import ServerAuth
 from tilecast.scheduler.batching import BatchingConfig
 from tilecast.scheduler.batching_rules import BatchingRules
 from tilecast.scheduler.io_thread import SocketThread
+from tilecast.scheduler.outputs import OutputStore
+from tilecast.scheduler.ready import ReadyInfo, remove_ready_file, write_ready_file
 from tilecast.scheduler.scheduler import DEAD, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -42,13 +48,19 @@ class RankZero:
         config = rt.config
         self.rt = rt
         self.exit_process = exit_process
+        max_message_bytes = int(config.max_message_mb * 2**20)
         self.scheduler = Scheduler(
             pipeline=rt.pipeline, send=self._send, batching=batching_config(config),
             max_queued=config.max_queued_requests, world_size=rt.ranks.world_size,
+            outputs=OutputStore(config.output_dir, retention_s=config.output_retention_s,
+                                max_stored=config.max_stored_outputs),
+            max_queued_upload_bytes=int(config.max_queued_upload_mb * 2**20), max_message_bytes=max_message_bytes,
+            wire_stats=lambda: self.sockets.stats(),
         )
         self.sockets = SocketThread(
-            config.endpoint, lambda identity, frames: self.scheduler.inbox.put(("msg", identity, frames)),
-            max_message_bytes=int(config.max_message_mb * 2**20),
+            config.endpoint, lambda peer, frames: self.scheduler.inbox.put(("msg", peer, frames)),
+            max_message_bytes=max_message_bytes,
+            auth=ServerAuth(config.api_key, zmq.Context.instance()) if config.api_key else None,
         )
         self.watchdog = Watchdog(
             world_size=rt.ranks.world_size, beat=rt.beat,
@@ -64,12 +76,13 @@ class RankZero:
             self.http = HttpFrontEnd.for_scheduler(
                 endpoint=self.sockets.bound_endpoint, pipeline=rt.pipeline, host=config.http_host,
                 port=config.http_port, max_upload_mb=config.max_upload_mb, max_message_mb=config.max_message_mb,
+                api_key=config.api_key,
             )
         self._exit_lock = threading.Lock()
         self._exiting = False
 
-    def _send(self, identity: bytes, frames: list) -> None:
-        self.sockets.send(identity, frames)
+    def _send(self, peer, frames: list) -> None:
+        self.sockets.send(peer, frames)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -80,12 +93,31 @@ class RankZero:
 
     def compute(self) -> None:
         """Rank 0's compute loop: plans from the scheduler, outcomes back to it (until ``stop``)."""
-        rt = self.rt
+        rt, inbox = self.rt, self.scheduler.inbox
+
+        def hooks(seq: int) -> PlanHooks:
+            return PlanHooks(seq, report=lambda s, fraction: inbox.put(("progress", s, fraction)),
+                             cancelled=self.scheduler.plan_cancelled)
+
         compute_loop(
             ranks=rt.ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
             next_plan=queue_source(self.scheduler.work),
-            on_done=lambda seq, result: self.scheduler.inbox.put(("done", seq, result)),
+            on_done=lambda seq, result: inbox.put(("done", seq, result)), hooks=hooks,
         )
+
+    def announce(self) -> ReadyInfo:
+        """Once both sockets are bound: the ready line on stdout, and the ready file (``--ready-file``)."""
+        from tilecast.scheduler.http_server import connectable
+
+        info = ReadyInfo(endpoint=connectable(self.sockets.bound_endpoint), pid=os.getpid(),
+                         http_url=self.http.url if self.http is not None else None)
+        if self.rt.config.ready_file is not None:
+            write_ready_file(self.rt.config.ready_file, info)
+        print(info.line(), flush=True)
+        return info
+
+    def forget_ready_file(self) -> None:
+        remove_ready_file(self.rt.config.ready_file, os.getpid())
 
     def stop_http(self) -> None:
         """Stop the HTTP front end (before the scheduler's socket goes away)."""
@@ -109,6 +141,7 @@ class RankZero:
         self.sockets.stop()
         self.watchdog.stop()
         if self.exit_process:
+            self.forget_ready_file()
             logging.shutdown()
             os._exit(exit_code)
 
@@ -152,6 +185,7 @@ def serve(config: ServeConfig) -> int:
         endpoint = zero.watchdog.endpoint
         broadcast_bytes(endpoint.encode(), ranks)
         zero.start()
+        zero.announce()
         logger.info(
             "tilecast serving %s on %s: %d rank(s), device %s, batching %s",
             rt.pipeline.model_name, zero.sockets.bound_endpoint, ranks.world_size, config.device,
@@ -165,6 +199,7 @@ def serve(config: ServeConfig) -> int:
         zero.stop_http()
         time.sleep(0.3)  # final replies (shutdown acknowledgements) reach the socket thread
         zero.sockets.stop()
+        zero.forget_ready_file()
         logger.info("tilecast stopped")
     else:
         endpoint = broadcast_bytes(None, ranks).decode()

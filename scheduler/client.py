@@ -4,6 +4,9 @@ Both share one base: request building, reply decoding, errors and the dead-serve
 blocking wait that hears nothing from the server for ``heartbeat_s`` asks for ``health``; no
 answer within ``dead_after_s`` raises ``ServerDeadError`` instead of waiting forever.
 
+``api_key`` (default ``$TILECAST_API_KEY``) authenticates to a server started with ``--api-key``
+(CURVE, ``scheduler/auth.py``); a refused handshake raises ``AuthenticationError`` at once.
+
 Imports msgspec and pyzmq only (torch lazily, for ``JobResult.tensor``).
 """
 
@@ -26,6 +29,8 @@ import zmq
 import zmq.asyncio
 
 from tilecast.scheduler import protocol as P
+from tilecast.scheduler.auth import HANDSHAKE_FAILURES, CurveKeys, api_key_from_env
+from tilecast.scheduler.ready import ReadyInfo, read_ready_file  # noqa: F401 - re-exported
 from tilecast.scheduler.wakeup import Wakeup
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:30010"
@@ -45,6 +50,10 @@ class ServerError(TilecastError):
 
 class ServerDeadError(TilecastError):
     """The server stopped answering, or reported that a rank died."""
+
+
+class AuthenticationError(TilecastError):
+    """The server refused this client's API key (or the lack of one)."""
 
 
 class JobFailedError(TilecastError):
@@ -91,7 +100,9 @@ class JobResult:
         raise KeyError(f"no tensor output {name!r}")
 
 
-def _submit_frames(req_id: int, fields: dict[str, Any], model: str | None) -> list:
+def _split_uploads(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[bytes]]:
+    """Request fields -> (params, upload names, upload payloads): a ``video`` given as bytes or a
+    local path is uploaded."""
     params, names, payloads = {}, [], []
     for key, value in fields.items():
         if key == "video" and value is not None:
@@ -100,7 +111,11 @@ def _submit_frames(req_id: int, fields: dict[str, Any], model: str | None) -> li
             payloads.append(bytes(data))
         else:
             params[key] = str(value) if isinstance(value, os.PathLike) else value
-    return P.encode(P.SubmitRequest(req_id=req_id, params=params, uploads=names, model=model), *payloads)
+    return params, names, payloads
+
+
+LARGE_UPLOAD_BYTES = 8 * 2**20
+"""Uploads at least this large are checked against the server's message limit before they are sent."""
 
 
 def _result_from(reply: P.ResultReply, payloads: list) -> JobResult:
@@ -109,6 +124,13 @@ def _result_from(reply: P.ResultReply, payloads: list) -> JobResult:
         data = None if meta.path is not None else bytes(next(frames))
         outputs.append(OutputItem(name=meta.name, kind=meta.kind, mime=meta.mime, data=data, path=meta.path, meta=meta))
     return JobResult(job=reply.job, outputs=outputs, info=dict(reply.info))
+
+
+def _too_large(payloads: list[bytes], limit: int) -> None:
+    size = sum(len(p) for p in payloads)
+    if limit and size + 64 * 1024 > limit:
+        raise ValueError(f"the upload is {size} bytes, over the server's message limit of {limit / 2**20:g} MiB"
+                         " (--max-message-mb)")
 
 
 def _check(msg) -> Any:
@@ -129,9 +151,14 @@ def _finished(result: JobResult) -> JobResult:
 
 class _Base:
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float = 30.0, heartbeat_s: float = 2.0,
-                 dead_after_s: float = 10.0, model: str | None = None) -> None:
+                 dead_after_s: float = 10.0, model: str | None = None, api_key: str | None = None) -> None:
         self.endpoint, self.timeout, self.heartbeat_s, self.dead_after_s = endpoint, timeout, heartbeat_s, dead_after_s
         self.model = model
+        key = api_key_from_env(api_key)
+        self._keys = CurveKeys.from_api_key(key) if key else None
+        self._auth_error: AuthenticationError | None = None
+        self._message_limit: int | None = None
+        """The server's ``max_message_bytes`` (asked once, before the first large upload)."""
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
 
@@ -146,10 +173,25 @@ class _Base:
 
     def _after_silence(self, deadline: float | None, timeout: float | None, step: float, wait_long: bool) -> None:
         """A wait of ``step`` heard nothing: raise, or return to have the caller probe ``health``."""
+        if self._auth_error is not None:
+            raise self._auth_error
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout:.1f} s") from None
         if not wait_long:
             raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
+
+    def _dead(self) -> ServerDeadError:
+        return ServerDeadError(f"{self.endpoint} stopped answering: no reply to a health check within"
+                               f" {self.dead_after_s:.1f} s while waiting")
+
+    def _refused(self) -> AuthenticationError:
+        """Record (and return) a refused handshake; every pending call fails with it."""
+        has_key = "this client's API key" if self._keys is not None else "a client without an API key"
+        self._auth_error = AuthenticationError(
+            f"{self.endpoint} refused {has_key}: pass the server's --api-key (api_key=... or $TILECAST_API_KEY)")
+        for future in list(self._pending.values()):
+            self._fail(future, self._auth_error)
+        return self._auth_error
 
     def _resolve(self, frames: list) -> None:
         """Hand a reply to the call waiting for its request id (undecodable replies are dropped)."""
@@ -162,11 +204,15 @@ class _Base:
             future.set_result((msg, payloads))
 
     def _socket(self, context: zmq.Context):
+        """The DEALER socket (CURVE client with a key) and a monitor of its refused handshakes."""
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        if self._keys is not None:
+            self._keys.secure_client(sock)
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
         sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
 
 
 class Client(_Base):
@@ -184,15 +230,19 @@ class Client(_Base):
 
     # -- io thread
     def _io(self) -> None:
-        sock = self._socket(self._context)
+        sock, monitor = self._socket(self._context)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         poller.register(self._wakeup.pull, zmq.POLLIN)
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(200))
                 if self._wakeup.pull in events:
                     self._wakeup.drain()
+                if monitor in events:
+                    monitor.recv_multipart()
+                    self._refused()
                 while True:
                     try:
                         sock.send_multipart(self._outbox.get_nowait(), copy=False)
@@ -204,15 +254,21 @@ class Client(_Base):
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._deliver(frames)
+                        self._resolve(frames)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
 
-    def _deliver(self, frames: list) -> None:
-        self._resolve(frames)
+    @staticmethod
+    def _fail(future: Future, error: Exception) -> None:
+        if not future.done():
+            future.set_exception(error)
 
     # -- calls
     def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
+        if self._auth_error is not None:
+            raise self._auth_error
         req_id = self._next_id()
         future: Future = Future()
         self._pending[req_id] = future
@@ -226,13 +282,30 @@ class Client(_Base):
                     return future.result(timeout=step)
                 except FutureTimeout:
                     self._after_silence(deadline, timeout, step, wait_long)
-                    self.health()  # raises ServerDeadError when the server is gone
+                    self._probe()
         finally:
             self._pending.pop(req_id, None)
 
+    def _probe(self) -> None:
+        """A long wait heard nothing: ``ServerDeadError`` unless the server answers ``health``."""
+        try:
+            self.health()
+        except TimeoutError:
+            raise self._dead() from None
+
+    def _check_size(self, payloads: list[bytes]) -> None:
+        if sum(len(p) for p in payloads) >= LARGE_UPLOAD_BYTES:
+            if self._message_limit is None:
+                self._message_limit = self.health().max_message_bytes
+            _too_large(payloads, self._message_limit)
+
     def submit(self, **fields) -> str:
         """Queue a request; returns its job id."""
-        msg, _ = self._call(lambda rid: _submit_frames(rid, fields, self.model), self.timeout)
+        params, names, payloads = _split_uploads(fields)
+        self._check_size(payloads)
+        request = lambda rid: P.encode(P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model),
+                                       *payloads)
+        msg, _ = self._call(request, self.timeout)
         return _check(msg).job_id
 
     def status(self, job_id: str) -> P.JobInfo:
@@ -247,7 +320,13 @@ class Client(_Base):
         return _result_from(_check(msg), payloads)
 
     def cancel(self, job_id: str) -> P.JobInfo:
+        """Cancel a queued job, or stop a running one at its next step (it then writes no output)."""
         msg, _ = self._call(lambda rid: P.encode(P.CancelRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    def delete(self, job_id: str) -> P.JobInfo:
+        """Forget a job: cancel it if it has not finished, delete its output files. Returns its last state."""
+        msg, _ = self._call(lambda rid: P.encode(P.DeleteRequest(req_id=rid, job_id=job_id)), self.timeout)
         return _check(msg)
 
     def health(self, timeout: float | None = None) -> P.HealthReply:
@@ -259,6 +338,7 @@ class Client(_Base):
         return _check(msg).stats
 
     def shutdown(self) -> P.HealthReply:
+        """Ask the server to stop (needs the API key, or a connection from the server's machine)."""
         msg, _ = self._call(lambda rid: P.encode(P.ShutdownRequest(req_id=rid)), self.timeout)
         return _check(msg)
 
@@ -296,19 +376,32 @@ class AsyncClient(_Base):
         super().__init__(endpoint, **kwargs)
         self._context = zmq.asyncio.Context.instance()
         self._sock = None
+        self._monitor = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def _ensure(self) -> None:
         if self._sock is None:
-            self._sock = self._socket(self._context)
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._sock, self._monitor = self._socket(self._context)
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
 
     async def _read(self) -> None:
         while True:
             self._resolve(await self._sock.recv_multipart())
 
+    async def _watch(self) -> None:
+        await self._monitor.recv_multipart()
+        self._refused()
+
+    @staticmethod
+    def _fail(future: asyncio.Future, error: Exception) -> None:
+        if not future.done():
+            future.set_exception(error)
+
     async def _call(self, frames_for, timeout: float | None, *, wait_long: bool = False):
+        if self._auth_error is not None:
+            raise self._auth_error
         await self._ensure()
         req_id = self._next_id()
         future = asyncio.get_running_loop().create_future()
@@ -322,12 +415,28 @@ class AsyncClient(_Base):
                     return await asyncio.wait_for(asyncio.shield(future), step)
                 except asyncio.TimeoutError:
                     self._after_silence(deadline, timeout, step, wait_long)
-                    await self.health()
+                    await self._probe()
         finally:
             self._pending.pop(req_id, None)
 
+    async def _probe(self) -> None:
+        try:
+            await self.health()
+        except TimeoutError:
+            raise self._dead() from None
+
+    async def _check_size(self, payloads: list[bytes]) -> None:
+        if sum(len(p) for p in payloads) >= LARGE_UPLOAD_BYTES:
+            if self._message_limit is None:
+                self._message_limit = (await self.health()).max_message_bytes
+            _too_large(payloads, self._message_limit)
+
     async def submit(self, **fields) -> str:
-        msg, _ = await self._call(lambda rid: _submit_frames(rid, fields, self.model), self.timeout)
+        params, names, payloads = _split_uploads(fields)
+        await self._check_size(payloads)
+        request = lambda rid: P.encode(P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model),
+                                       *payloads)
+        msg, _ = await self._call(request, self.timeout)
         return _check(msg).job_id
 
     async def status(self, job_id: str) -> P.JobInfo:
@@ -342,6 +451,10 @@ class AsyncClient(_Base):
 
     async def cancel(self, job_id: str) -> P.JobInfo:
         msg, _ = await self._call(lambda rid: P.encode(P.CancelRequest(req_id=rid, job_id=job_id)), self.timeout)
+        return _check(msg)
+
+    async def delete(self, job_id: str) -> P.JobInfo:
+        msg, _ = await self._call(lambda rid: P.encode(P.DeleteRequest(req_id=rid, job_id=job_id)), self.timeout)
         return _check(msg)
 
     async def health(self, timeout: float | None = None) -> P.HealthReply:
@@ -361,11 +474,13 @@ class AsyncClient(_Base):
         return _finished(await self.result(job_id, wait=True, timeout=timeout, as_paths=return_paths))
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock = self._monitor = None
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -9,7 +9,8 @@
         assert run_ranks(_body, 2, 10, timeout=60) == [0, 10]
 
 Every rank gets ``fn(rank, world_size, *args)`` with the default process group already
-initialised (gloo, ``MASTER_ADDR=127.0.0.1``, a free port) and torch limited to one thread. The
+initialised (gloo, joined through a TCPStore this process holds on a port the OS picked, so
+no port is ever chosen and then lost) and torch limited to one thread. The
 return values (picklable) come back in rank order. If any rank raises, ``RankError`` is raised
 with every failing rank's traceback. If the ranks do not all finish within ``timeout`` seconds,
 the stragglers are killed and ``TimeoutError`` is raised. The process group is destroyed and
@@ -22,16 +23,16 @@ import contextlib
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "one_thread", "run_ranks"]
+__all__ = ["RankError", "one_thread", "run_ranks"]
 
 
 def _tests_importable_without_the_root() -> None:
@@ -67,26 +68,17 @@ class RankError(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n{details}")
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(fn, rank: int, world_size: int, port: int, pg_timeout: float, results, args) -> None:
+def _worker(fn, rank: int, world_size: int, store_port: int, pg_timeout: float, results, args) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             # Plain pickle copies tensors by value (no shared-memory handles that die with the child).
             results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -132,12 +124,13 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context(start_method, preload)
     results = ctx.Queue()
-    port = free_port()
+    # The parent hosts the rendezvous store: bound to port 0 and held until every rank is done.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     deadline = time.monotonic() + timeout
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, max(timeout, 10), results, args),
+            args=(fn, rank, world_size, store.port, max(timeout, 10), results, args),
             daemon=True,
             name=f"rank{rank}",
         )
@@ -173,6 +166,7 @@ def run_ranks(
                 proc.join(timeout=5)
         results.close()
         results.cancel_join_thread()
+        del store
 
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:

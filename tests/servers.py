@@ -1,27 +1,25 @@
-"""Start a real ``tilecast serve`` (torchrun ranks) for a test, and make sure nothing outlives it."""
+"""Start a real ``tilecast serve`` (torchrun ranks) for a test, and make sure nothing outlives it.
+
+The server binds ports the OS picks (``--port 0``, and ``--http-port 0`` with ``http=True``) and
+reports them in its ready file, so no test ever races another process for a port. The ready
+file's path, unique per server, is also what finds the server's processes (its command line).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tilecast.client import Client
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tilecast.client import Client, read_ready_file
 
 
 def processes_with(marker: str) -> list[int]:
-    """Pids whose command line contains ``marker`` (a unique ``--port N`` identifies one server)."""
+    """Pids whose command line contains ``marker`` (a server's unique ``--ready-file`` path)."""
     pids = []
     needle = marker.encode()
     for entry in Path("/proc").iterdir():
@@ -51,25 +49,43 @@ def rank_pid(marker: str, rank: int) -> int | None:
 class ServerProcess:
     """``tilecast serve`` in a subprocess; ``stop()`` leaves no process behind."""
 
-    def __init__(self, *args: str, port: int | None = None, env: dict | None = None, ready_timeout: float = 120.0):
-        self.port = port or free_port()
-        self.marker = f"--port {self.port}"
-        self.log_file = tempfile.NamedTemporaryFile(prefix="tilecast-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", str(self.port)]
+    def __init__(self, *args: str, http: bool = False, env: dict | None = None, ready_timeout: float = 120.0):
+        self.workdir = tempfile.mkdtemp(prefix="tilecast-serve-")
+        self.ready_file = os.path.join(self.workdir, "ready.json")
+        self.marker = self.ready_file
+        self.log_file = open(os.path.join(self.workdir, "serve.log"), "wb")
+        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", "0", "--ready-file", self.ready_file]
+        if http:
+            command += ["--http-port", "0"]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
         try:
+            ready = self._wait_ready_file(ready_timeout)
+            self.endpoint, self.http_url, self.pid = ready.endpoint, ready.http_url, ready.pid
+            """The bound ZeroMQ endpoint, the HTTP base URL (``http=True``) and rank 0's pid."""
             with Client(self.endpoint) as client:
-                client.wait_ready(ready_timeout)
+                client.wait_ready(10)
         except BaseException:
             self.stop()
             raise AssertionError(f"server did not come up:\n{self.log()}")
+
+    def _wait_ready_file(self, timeout: float):
+        """The ready file's contents; fails at once if the server exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return read_ready_file(self.ready_file, timeout=0.5)
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"the server exited with {self.proc.returncode} before it was ready")
+                if time.monotonic() >= deadline:
+                    raise
 
     def client(self, **kwargs) -> Client:
         return Client(self.endpoint, **kwargs)
 
     def log(self) -> str:
+        self.log_file.flush()
         return Path(self.log_file.name).read_text(errors="replace")
 
     def wait(self, timeout: float) -> int:

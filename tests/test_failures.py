@@ -14,13 +14,26 @@ from tilecast.client import Client, JobFailedError, ServerDeadError
 from tests.servers import ServerProcess, rank_pid
 
 
-def _collect_outcomes(server: ServerProcess, job_ids: list[str], timeout: float) -> dict[str, str]:
-    """Wait for every job from its own thread; map job id -> terminal outcome text."""
+def _wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20.0) -> None:
+    """Wait until ``job_id`` is in ``state``; fail the test if it is not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (current := client.status(job_id).state) != state:
+        assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s (waited for {state})"
+        time.sleep(0.05)
+
+
+def _collect_outcomes(server: ServerProcess, job_ids: list[str], timeout: float,
+                      connected: threading.Barrier | None = None) -> dict[str, str]:
+    """Wait for every job from its own thread; map job id -> terminal outcome text. With
+    ``connected``, every thread first hears the server answer ``health``, then waits on it."""
     outcomes: dict[str, str] = {}
 
     def wait(job_id: str) -> None:
         with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
             try:
+                if connected is not None:
+                    client.health()
+                    connected.wait()
                 result = client.result(job_id, timeout=timeout)
                 outcomes[job_id] = f"{result.job.state}: {result.job.error}"
             except (ServerDeadError, JobFailedError) as exc:
@@ -49,9 +62,7 @@ def test_kill_9_of_a_worker_fails_every_job_quickly(tmp_path):
     try:
         with server.client() as client:
             jobs = [client.submit(size=2, steps=40, sleep_s=0.25, seed=i) for i in range(4)]
-            deadline = time.monotonic() + 20
-            while client.status(jobs[0]).state != "running" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for_state(client, jobs[0], "running")
         worker = rank_pid(server.marker, 1)
         assert worker is not None, server.log()
         killed_at = time.monotonic()
@@ -99,16 +110,17 @@ def test_sigterm_stops_everything_cleanly(tmp_path):
         with server.client() as client:
             running = client.submit(size=2, steps=40, sleep_s=0.25)
             queued = client.submit(size=2)
-            deadline = time.monotonic() + 20
-            while client.status(running).state != "running" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for_state(client, running, "running")
         results: dict[str, str] = {}
-        waiter = threading.Thread(target=lambda: results.update(_collect_outcomes(server, [running, queued], 30)))
+        connected = threading.Barrier(3, timeout=20)
+        waiter = threading.Thread(
+            target=lambda: results.update(_collect_outcomes(server, [running, queued], 30, connected)))
         waiter.start()
-        time.sleep(0.5)
+        connected.wait()  # both waiters reached the server (BrokenBarrierError fails the test)
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait(timeout=40) == 0, server.log()
         waiter.join(40)
+        assert set(results) == {running, queued}, results
         for job_id, outcome in results.items():
             assert outcome.startswith(("failed", "dead", "cancelled")), (job_id, outcome)
         assert not server.leftovers_after(10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -151,12 +150,12 @@ MESH_CASES = {
 GROUP_AXES = MESH_AXES + ("sp", "decode")
 
 
-def _mesh_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _mesh_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo", init_method=init_method, rank=rank, world_size=world_size,
         timeout=timedelta(seconds=30),
     )
     try:
@@ -183,19 +182,14 @@ def _mesh_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(60)
 def test_build_mesh_groups_on_four_gloo_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     world_size = 4
     ctx = mp.start_processes(
-        _mesh_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size,
+        # A file rendezvous in this test's own directory: no port to pick (and lose) at all.
+        _mesh_worker, args=(world_size, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=world_size,
         join=False, start_method="spawn",
     )
     try:

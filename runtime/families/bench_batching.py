@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tilecast.client import Client
+from tilecast.client import Client, read_ready_file
 from tilecast.scheduler.batching_metrics import percentile_nearest_rank
 
 logger = logging.getLogger(__name__)
@@ -45,12 +44,6 @@ WARMUP_SEQUENTIAL = 3
 """Requests sent one at a time before measuring (then one concurrent wave of ``num_clients``)."""
 PEERS = ("diffusers",)
 """What ``peer`` may name (``families.bench_peer``)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bench_request(client: int, request: int) -> dict[str, Any]:
@@ -66,10 +59,11 @@ class _Server:
     """One ``tilecast serve`` subprocess in a session of its own; ``stop`` leaves nothing behind."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.endpoint: str | None = None
+        """The bound endpoint, from the server's ready file (``wait_ready``)."""
         self.log_path = log_path
-        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", str(self.port)]
+        self.ready_file = log_path.with_suffix(".ready.json")
+        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", "0", "--ready-file", str(self.ready_file)]
         logger.info("starting %s", " ".join(command))
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -79,6 +73,7 @@ class _Server:
 
     def wait_ready(self) -> None:
         try:
+            self.endpoint = read_ready_file(self.ready_file, READY_TIMEOUT_S).endpoint
             with Client(self.endpoint) as client:
                 client.wait_ready(READY_TIMEOUT_S)
         except Exception as exc:
