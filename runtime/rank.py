@@ -53,23 +53,23 @@ class SignalWatcher(threading.Thread):
 
     SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
-    def __init__(self, on_signal: Callable[[int], None], wakeup: socket.socket) -> None:
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
         super().__init__(name="tilecast-signals", daemon=True)
         self.on_signal = on_signal
-        self._wakeup = wakeup
+        self._reader, self._writer = socket.socketpair()
+        """CPython's signal handler writes to ``_writer`` (non-blocking); this thread reads ``_reader``.
+        Both stay open for the life of the process."""
+        self._writer.setblocking(False)
 
     @classmethod
     def install(cls, on_signal: Callable[[int], None]) -> "SignalWatcher":
         """Call from the main thread, before starting any other thread."""
         assert threading.current_thread() is threading.main_thread(), "signals are installed from the main thread"
         signal.pthread_sigmask(signal.SIG_BLOCK, cls.SIGNALS)
-        reader, writer = socket.socketpair()
-        writer.setblocking(False)
+        watcher = cls(on_signal)
         for signum in cls.SIGNALS:
             signal.signal(signum, cls._noted)
-        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        watcher = cls(on_signal, reader)
-        watcher._writer = writer  # kept open for the life of the process
+        signal.set_wakeup_fd(watcher._writer.fileno(), warn_on_full_buffer=False)
         watcher.start()
         return watcher
 
@@ -80,7 +80,7 @@ class SignalWatcher(threading.Thread):
     def run(self) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         while True:
-            data = self._wakeup.recv(1)
+            data = self._reader.recv(1)
             if not data:
                 return
             if data[0] in self.SIGNALS:
