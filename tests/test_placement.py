@@ -267,28 +267,43 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
         )
         return K6SRPipeline.load("tiny/k6sr", ctx)
 
-    replicated = upscale(load(), frames)
+    resident = load()
+    replicated = upscale(resident, frames)
     pipe = load(use_fsdp_inference=True)
     weight = pipe.parts.transformer.visual_transformer_blocks[0].self_attention.to_query.weight
     sharded = upscale(pipe, frames)
     again = upscale(pipe, frames)
+    # What FSDP guarantees: its all-gather is a copy, so every gathered DiT weight is the resident one.
+    resident_weights = dict(resident.parts.transformer.named_parameters())
+    inexact = [name for name, param in pipe.parts.transformer.named_parameters()
+               if not torch.equal(param.full_tensor(), resident_weights[name])]
     return {
-        "replicated": replicated, "sharded": sharded, "again": again,
+        "replicated": replicated, "sharded": sharded, "again": again, "inexact_weights": inexact,
         "local_rows": tuple(weight.to_local().shape), "full_rows": tuple(weight.shape),
     }
 
 
 def test_fsdp_on_two_ranks_matches_one_rank(cache):
+    """FSDP changes no weight, so the output is the resident one within fp32 rounding.
+
+    The weights are compared bit for bit: that is FSDP's contract (the all-gather copies). The
+    outputs are compared within ``ROUNDING``, not with ``torch.equal``: the sharded model computes
+    with weights in other storage (FSDP frees and re-allocates each block's gathered weights around
+    every forward), and MKL's fp32 kernels are not address-independent. Measured here: the batch-1
+    GEMV of the DiT's timestep embedding gives other bits when its weight sits 8 bytes off a
+    16-byte boundary (see the module docstring), and MKL without its CNR mode documents results that
+    may vary with alignment and the code path it picks at run time. Bit equality held in 100+
+    local runs but failed once in CI, so it is not what the paths guarantee; a wrong, stale or
+    partial gather shows as an O(1) difference, far above ``ROUNDING``."""
     single = upscale(K6SRPipeline.load("tiny/k6sr", make_ctx(cache)), clip(1))
     for ulysses in (1, 2):
         results = run_ranks(_fsdp_rank, 2, str(cache), ulysses, timeout=120)
-        for result in results:
+        for rank, result in enumerate(results):
             assert result["local_rows"] == (result["full_rows"][0] // 2, result["full_rows"][1])  # sharded
-            assert torch.equal(result["sharded"], result["replicated"])  # FSDP changes nothing
-            assert torch.equal(result["again"], result["sharded"])
-            assert (result["sharded"] - single).abs().max() <= ROUNDING, ulysses  # Ulysses: fp32 rounding
-        if ulysses == 1:
-            assert torch.equal(results[0]["sharded"], single)
+            assert not result["inexact_weights"], (ulysses, rank, result["inexact_weights"][:5])
+            for name, other in (("replicated", result["replicated"]), ("again", result["again"]), ("single", single)):
+                diff = (result["sharded"] - other).abs().max().item()
+                assert diff <= ROUNDING, (ulysses, rank, name, diff)  # Ulysses vs single: fp32 rounding too
 
 
 def test_fsdp_on_one_rank_is_refused(cache):
