@@ -357,8 +357,10 @@ class Scheduler(threading.Thread):
 
     def _on_done(self, seq: int, result) -> None:
         """A plan ended: ``result`` is its outputs, ``PLAN_CANCELLED``, or an error message."""
-        jobs = self._running.pop(seq)
+        jobs = self._running.pop(seq, None)
         self._cancelled_plans.discard(seq)
+        if jobs is None:  # the server died meanwhile (``_on_fatal`` failed these jobs already)
+            return
         if result is PLAN_CANCELLED:
             for job in jobs:
                 self._finish(job, CANCELLED, error="cancelled by client while running; stopped before the end")

@@ -79,6 +79,13 @@ def files_of(out: Path, job_id: str) -> list[Path]:
     return sorted(path for path in out.rglob("*") if job_id in str(path.relative_to(out)))
 
 
+def stopped_early(client: Client, job_id: str) -> None:
+    """The job ended at a cancel point, before its last step (not run to the end and discarded)."""
+    info = client.status(job_id)
+    assert info.state == "cancelled" and "stopped before the end" in info.error, info
+    assert info.progress < 1.0, info
+
+
 def cancel_and_time(client: Client, *job_ids: str) -> float:
     started = time.monotonic()
     for job_id in job_ids:
@@ -109,8 +116,7 @@ def test_cancelling_a_running_job_stops_it_at_the_next_step(probe):
         job = client.submit(size=2, steps=400, sleep_s=0.05, seed=5)  # 20 s if nobody stops it
         wait_running(client, job)
         assert cancel_and_time(client, job) < 3.0
-        info = client.status(job)
-        assert info.state == "cancelled" and "stopped before the end" in info.error, info
+        stopped_early(client, job)
         assert files_of(out, job) == []
         result = client.generate(size=3, seed=6, timeout=60)  # the server goes on
         assert torch.allclose(result.tensor("sum"), AllReducePipeline.expected_sum(ProbeParams(size=3, seed=6), world))
@@ -139,7 +145,8 @@ def test_cancel_inside_a_batch_discards_only_that_output_and_all_cancelled_stops
         time.sleep(0.5)
         assert client.status(first).state == "running"  # its companion still needs the batch
         assert cancel_and_time(client, second) < 3.0
-        assert client.status(first).state == "cancelled"
+        stopped_early(client, first)
+        stopped_early(client, second)
         assert files_of(out, first) == files_of(out, second) == []
         assert client.generate(size=1, timeout=60).job.state == "completed"
 
@@ -168,6 +175,7 @@ def test_k6sr_progress_per_step_and_cancel_between_tiles(k6sr):
         job = client.submit(**request)
         wait_running(client, job)
         assert cancel_and_time(client, job) < 5.0
+        stopped_early(client, job)
         assert files_of(out, job) == []
         assert client.generate(video_path=str(video), sr_resolution_scale=2, timeout=120).job.state == "completed"
 
@@ -193,5 +201,6 @@ def test_flux_progress_per_denoising_step_and_cancel_between_steps(flux):
         job = client.submit(**{**request, "num_inference_steps": 1000})
         wait_running(client, job)
         assert cancel_and_time(client, job) < 5.0
+        stopped_early(client, job)
         assert files_of(out, job) == []
         assert client.generate(prompt="next", width=32, height=32, timeout=120).job.state == "completed"

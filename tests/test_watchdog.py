@@ -215,8 +215,8 @@ def test_a_sigstopped_rank_is_declared_dead_while_its_peer_beats(tmp_path):
     try:
         with server.client() as client:
             job = client.submit(size=2, stage_s=60.0)
-            deadline = time.monotonic() + 30
-            while client.status(job).state != "running" and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30  # until its one step is done: both ranks are in the stage
+            while client.status(job).progress < 1.0 and time.monotonic() < deadline:
                 time.sleep(0.05)
         worker = rank_pid(server.marker, 1)
         assert worker is not None, server.log()
