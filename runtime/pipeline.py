@@ -91,12 +91,9 @@ class RankContext:
         """
         cancelled = self.plan is not None and self.plan.cancelled()
         if self.world_size > 1 and self.cpu_group is not None:
-            import torch
-            import torch.distributed as dist
+            from tilecast.runtime.distributed import broadcast_flag  # lazily: this module imports no torch
 
-            flag = torch.tensor([1 if cancelled and self.rank == 0 else 0], dtype=torch.int32)
-            dist.broadcast(flag, src=dist.get_global_rank(self.cpu_group, 0), group=self.cpu_group)
-            cancelled = bool(flag.item())
+            cancelled = broadcast_flag(cancelled and self.rank == 0, self.cpu_group)
         if cancelled:
             raise PlanCancelled("every job of this batch was cancelled")
 

@@ -204,3 +204,30 @@ def test_flux_progress_per_denoising_step_and_cancel_between_steps(flux):
         stopped_early(client, job)
         assert files_of(out, job) == []
         assert client.generate(prompt="next", width=32, height=32, timeout=120).job.state == "completed"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", [(), ("--tile-parallel",)])
+def test_k6sr_two_ranks_progress_and_cancel(tmp_path, layout):
+    """Two ranks, replicated (a cancel point per DiT step) or tile-parallel (four chunks dealt to two
+    units, which do not step together: the cancel point sits between the two gathered rounds):
+    progress moves, a cancel stops the job before its end with nothing written, and the next
+    request is served."""
+    video = write_test_video(tmp_path / "clip.mp4", 96, 96, 9, 24.0)  # four tiles at x2
+    out = tmp_path / "out"
+    server = ServerProcess("--model-path", "tiny/k6sr", "--num-gpus", "2", "--device", "cpu", "--output-dir",
+                           str(out), "--allowed-video-dir", str(tmp_path), *layout)
+    try:
+        with server.client() as client:
+            request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=40)
+            job = client.submit(**request)
+            wait_running(client, job, timeout=60)
+            assert cancel_and_time(client, job) < 10.0
+            stopped_early(client, job)
+            assert files_of(out, job) == []
+            job = client.submit(**{**request, "num_inference_steps": 8})
+            seen = watch(client, job, timeout=90)
+            assert seen[-1][0] == "completed", (seen[-1], server.log())
+            assert any(state == "running" and 0 < progress < 1 for state, progress in seen), seen
+    finally:
+        server.stop()
