@@ -21,6 +21,7 @@ from tilecast.runtime.distributed import all_ranks_ok, broadcast_plan, shutdown_
 from tilecast.runtime.rank import SignalWatcher, configure_logging, start_rank
 from tilecast.runtime.worker import execute_plan
 from tilecast.scheduler import protocol as P
+from tilecast.scheduler.uploads import materialize, release
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ def generate(config: ServeConfig, fields: dict) -> int:
     if rt.ranks.rank == 0:
         try:
             params = msgspec.convert(fields, rt.pipeline.params_type)
-            params = rt.pipeline.prepare(params, {})
-            plan = P.Plan(seq=1, kind="run", items=[P.PlanItem(job_id="offline", params=msgspec.to_builtins(params))])
+            uploads: dict = {}
+            params = rt.pipeline.prepare(params, uploads)  # a video_path comes back opened in ``uploads``
+            item = P.PlanItem(job_id="offline", params=msgspec.to_builtins(params), uploads=materialize(uploads))
+            release(uploads)
+            plan = P.Plan(seq=1, kind="run", items=[item])
         except (msgspec.ValidationError, ValueError) as exc:
             error = str(exc)
             plan = P.Plan(seq=1, kind="stop")

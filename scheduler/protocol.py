@@ -57,6 +57,13 @@ class CancelRequest(_Msg):
     job_id: str
 
 
+class DeleteRequest(_Msg):
+    """Forget a job: cancel it if queued or running, delete its output files (OpenAI's DELETE)."""
+
+    req_id: int
+    job_id: str
+
+
 class HealthRequest(_Msg):
     req_id: int
 
@@ -118,6 +125,8 @@ class HealthReply(_Msg):
     queue_depth: int = 0
     running: int = 0
     detail: str = ""
+    max_message_bytes: int = 0
+    """Largest message the server accepts (0: not said); the client checks uploads against it."""
 
 
 class StatsReply(_Msg):
@@ -128,7 +137,7 @@ class StatsReply(_Msg):
 class ErrorReply(_Msg):
     req_id: int
     code: str
-    """bad_request | overloaded | not_found | server_dead | stopping | internal"""
+    """bad_request | overloaded | not_found | gone | forbidden | server_dead | stopping | internal"""
     message: str
 
 
@@ -158,6 +167,7 @@ REQUEST_TYPES: dict[bytes, type[msgspec.Struct]] = {
     b"Q": StatusRequest,
     b"R": ResultRequest,
     b"C": CancelRequest,
+    b"D": DeleteRequest,
     b"H": HealthRequest,
     b"T": StatsRequest,
     b"X": ShutdownRequest,

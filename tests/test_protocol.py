@@ -125,11 +125,20 @@ def test_malformed_corpus_gets_errors_and_server_keeps_serving(small_server):
             if not frames:
                 continue  # ZeroMQ cannot send an empty multipart message
             sock.send_multipart(frames)
-            reply, _ = P.decode(sock.recv_multipart())
+            reply_frames = sock.recv_multipart()
+            if frames[0] == b"":  # an empty first frame is a REQ-style envelope: the reply carries it back
+                assert reply_frames[0] == b""
+                reply_frames = reply_frames[1:]
+            reply, _ = P.decode(reply_frames)
             assert isinstance(reply, P.ErrorReply), (frames, reply)
             assert reply.code in {"bad_request", "not_found"}, reply
             assert reply.message
-        # An oversize message (over ZMQ_MAXMSGSIZE) is dropped with the connection, never processed.
+        # Over --max-message-mb (10 KiB here): an error reply naming the limit, nothing processed.
+        sock.send_multipart([b"S", msgspec.msgpack.encode([7, {"size": 2}, ["video"]]), b"x" * 15_000])
+        reply, _ = P.decode(sock.recv_multipart())
+        assert isinstance(reply, P.ErrorReply) and reply.req_id == 7 and reply.code == "bad_request", reply
+        assert "15017 bytes, over this server's limit of 10485 bytes (--max-message-mb)" in reply.message
+        # Over twice the limit ZeroMQ drops the frame with the connection before it is buffered.
         big = socket_that_sends(context, small_server.endpoint, [b"S", b"x" * 50_000])
         big.close()
     finally:
@@ -139,6 +148,23 @@ def test_malformed_corpus_gets_errors_and_server_keeps_serving(small_server):
         result = client.generate(size=2, seed=3, timeout=30)
         assert result.job.state == "completed"
         assert client.stats()["jobs"]["completed"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_req_sockets_get_replies(small_server):
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(small_server.endpoint)
+    try:
+        sock.send_multipart(P.encode(P.HealthRequest(req_id=5)))
+        reply, _ = P.decode(sock.recv_multipart())
+        assert isinstance(reply, P.HealthReply) and reply.req_id == 5 and reply.status == "serving"
+        sock.send_multipart([b"Z", b"junk"])  # REQ's strict send/receive turns: a malformed message is answered too
+        reply, _ = P.decode(sock.recv_multipart())
+        assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request"
+    finally:
+        sock.close()
 
 
 def socket_that_sends(context, endpoint, frames):

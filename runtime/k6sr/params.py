@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import msgspec
 
@@ -139,32 +138,3 @@ def format_scale(scale: float) -> str:
 def default_output_name(stem: str, params: SRParams) -> str:
     """``{stem}_srx{scale}_seed{seed}.mp4``."""
     return f"{stem}_srx{format_scale(params.sr_resolution_scale)}_seed{params.seed}.mp4"
-
-
-def resolve_video_path(video_path: str, allowed_dirs: list[str] | tuple[str, ...]) -> Path:
-    """Resolve ``video_path`` (symlinks followed) and require it to lie under an allowed directory.
-
-    ``..`` components are refused outright; symlinks that escape the allowed roots are refused by
-    comparing fully resolved paths.
-    """
-    if not allowed_dirs:
-        raise ValueError(
-            "video_path is disabled on this server: the operator allowed no directories "
-            "(start it with --allowed-video-dir DIR), so upload the video instead"
-        )
-    candidate = Path(video_path)
-    if ".." in candidate.parts:
-        raise ValueError(f"video_path {video_path!r} must not contain '..'")
-    try:
-        resolved = candidate.resolve(strict=True)
-    except (FileNotFoundError, RuntimeError, OSError) as exc:
-        raise ValueError(f"video_path {video_path!r} does not exist or cannot be resolved ({exc})") from exc
-    roots = [Path(d).resolve() for d in allowed_dirs]
-    if not any(resolved.is_relative_to(root) for root in roots):
-        raise ValueError(
-            f"video_path {video_path!r} resolves to {resolved}, which is outside the allowed video "
-            f"directories ({', '.join(str(r) for r in roots)})"
-        )
-    if not resolved.is_file():
-        raise ValueError(f"video_path {video_path!r} is not a regular file")
-    return resolved

@@ -33,6 +33,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from tilecast.runtime.allowed_files import open_allowed
 from tilecast.runtime.k6sr import video_io
 from tilecast.runtime.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.k6sr.attention import install_dense_attention
@@ -42,7 +43,6 @@ from tilecast.runtime.k6sr.params import (
     check_request,
     default_output_name,
     parse_target_resolution,
-    resolve_video_path,
     target_size,
 )
 from tilecast.runtime.k6sr.stages import (
@@ -152,8 +152,11 @@ class K6SRPipeline(Pipeline):
         return bool(wanted) and self.tile_work.decode_mode != "spatial_shard" and not placed
 
     # --------------------------------------------------------------- prepare
-    def prepare(self, params: msgspec.Struct, uploads: dict[str, bytes]) -> SRParams:
-        """Validate an SR request on rank 0 at submit time (``ValueError`` naming the problem)."""
+    def prepare(self, params: msgspec.Struct, uploads: dict) -> SRParams:
+        """Validate an SR request on rank 0 at submit time (``ValueError`` naming the problem).
+
+        A ``video_path`` is opened here, once, and put into ``uploads["video"]`` as a
+        ``PinnedFile``: the job reads that descriptor when it runs, never the path again."""
         assert isinstance(params, SRParams), type(params)
         check_request(params)
         upload = uploads.get("video")
@@ -161,13 +164,20 @@ class K6SRPipeline(Pipeline):
             raise ValueError("give either video_path or an uploaded video, not both")
         if upload is None and params.video_path is None:
             raise ValueError("no input video: give video_path or upload a video")
-        if upload is not None:
-            if not upload:
-                raise ValueError("the uploaded video is empty")
-            source: video_io.VideoSource = upload
-        else:
-            source = resolve_video_path(params.video_path, self.allowed_video_dirs)
-            params = msgspec.structs.replace(params, video_path=str(source))
+        if upload is not None and not upload:
+            raise ValueError("the uploaded video is empty")
+        if upload is None:
+            upload = uploads["video"] = open_allowed(params.video_path, self.allowed_video_dirs, field="video_path")
+        try:
+            self._check_source(upload, params)
+        except BaseException:
+            if params.video_path is not None:
+                uploads.pop("video").close()
+            raise
+        return params
+
+    def _check_source(self, source: video_io.VideoSource, params: SRParams) -> None:
+        """Probe the video and plan its tiles (refuses what cannot be decoded or tiled)."""
         probe = video_io.probe_video(source)
         plan = make_plan(self.parts, probe.height, probe.width, settings_of(params))
         out_h, out_w = plan.output_size
@@ -178,7 +188,6 @@ class K6SRPipeline(Pipeline):
                 "sr_target_resolution %s is larger than the %dx%d output on some axis; exact mode never "
                 "upscales, so that axis keeps its size", params.sr_target_resolution, out_w, out_h,
             )
-        return params
 
     # ------------------------------------------------------------------- run
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
@@ -203,9 +212,10 @@ class K6SRPipeline(Pipeline):
         timings: dict[str, float] = {}
 
         started = time.perf_counter()
+        # Served: the scheduler sends a video_path's bytes, read from the file opened at submit.
         upload = item.uploads.get("video")
         source: video_io.VideoSource = upload if upload is not None else params.video_path
-        stem = UPLOAD_STEM if upload is not None else Path(params.video_path).stem
+        stem = Path(params.video_path).stem if params.video_path else UPLOAD_STEM
         clip = video_io.read_clip(source)
         timings["input"] = time.perf_counter() - started
         ctx.cancel_point()

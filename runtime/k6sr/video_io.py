@@ -30,6 +30,8 @@ import av
 import numpy as np
 import torch
 
+from tilecast.scheduler.uploads import PinnedFile
+
 logger = logging.getLogger(__name__)
 
 TARGET_FPS = 24
@@ -43,8 +45,8 @@ TEMPORAL_FACTOR = 4
 AUDIO_RATE = 44100
 """Output audio sample rate (mono)."""
 
-VideoSource = str | Path | bytes
-"""A local file path, or the bytes of an uploaded file."""
+VideoSource = str | Path | bytes | PinnedFile
+"""A local file path, the bytes of an uploaded file, or a server-side file opened at submit."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -95,12 +97,16 @@ def require_encoders() -> None:
 def _open(source: VideoSource):
     if isinstance(source, (bytes, bytearray, memoryview)):
         return av.open(io.BytesIO(bytes(source)), mode="r")
+    if isinstance(source, PinnedFile):
+        return av.open(source.path, mode="r")
     return av.open(str(source), mode="r")
 
 
 def _describe(source: VideoSource) -> str:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"the uploaded video ({len(source)} bytes)"
+    if isinstance(source, PinnedFile):
+        return repr(source.name)
     return str(source)
 
 
