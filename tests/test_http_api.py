@@ -29,7 +29,7 @@ from tilecast.scheduler import protocol as P
 from tilecast.scheduler.http_server import HttpFrontEnd
 
 from tests.media import write_test_video
-from tests.servers import ServerProcess, free_port
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,16 +52,15 @@ def media(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(media, tmp_path_factory):
     """A 2-rank CPU server with the HTTP front end; yields its base URL."""
-    http_port = free_port()
     out_dir = tmp_path_factory.mktemp("outputs")
     proc = ServerProcess(
-        "--model-path", "tiny/k6sr", "--num-gpus", "2", "--device", "cpu", "--http-port", str(http_port),
+        "--model-path", "tiny/k6sr", "--num-gpus", "2", "--device", "cpu", "--http-port", "0",
         "--allowed-video-dir", str(media), "--max-upload-mb", "1", "--output-dir", str(out_dir),
         "--max-queued-upload-mb", f"{QUEUED_UPLOADS * (media / 'clip.mp4').stat().st_size / 2**20:.6f}",
         ready_timeout=240.0,
     )
     try:
-        url = f"http://127.0.0.1:{http_port}"
+        url = proc.http_url
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -425,7 +424,7 @@ def test_health_is_503_when_the_scheduler_is_silent_or_dead(scheduler):
         fake.start()
         endpoint = fake.endpoint
     else:
-        endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody there: requests are never answered
+        endpoint = "tcp://127.0.0.1:1"  # nobody there (a privileged port nothing serves): never answered
     front = HttpFrontEnd.for_scheduler(endpoint=endpoint, host="127.0.0.1", port=0, max_upload_mb=1).start()
     try:
         started = time.monotonic()
@@ -496,9 +495,7 @@ def test_http_settings_are_validated():
 
 
 def test_taken_http_port_fails_start_naming_the_flag():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # held (and listening) for the whole test
         port = taken.getsockname()[1]
         front = HttpFrontEnd.for_scheduler(endpoint="tcp://127.0.0.1:1", host="127.0.0.1", port=port, max_upload_mb=1)
         with pytest.raises(OSError, match="--http-port"):
