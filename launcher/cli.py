@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from tilecast.launcher import options as O
+from tilecast.launcher.preflight import validate_topology
 from tilecast.runtime.config import ServeConfig
 
 app = typer.Typer(
@@ -30,44 +31,6 @@ logger = logging.getLogger(__name__)
 def _fail(message: str, code: int = 2) -> None:
     console.print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)
-
-
-def _picker_backend(name: str | None) -> str:
-    """Our ``--attention-backend`` name in the picker's terms (platform | fa | torch_sdpa)."""
-    if name is None or name in ("auto", "platform"):
-        return "platform"
-    if name in ("fa", "flash_attn") :
-        return "fa"
-    return "torch_sdpa" if "sdpa" in name else name
-
-
-def _validate_topology(config: ServeConfig) -> None:
-    """The picker's rules for this command line, before any rank starts (exit 2 listing every error)."""
-    from tilecast.runtime.picker import detect_hardware, validate_serve_topology
-
-    num_heads = O.model_num_heads(config.model_path)
-    hardware = None
-    if config.device == "cuda":
-        import torch
-
-        from tilecast.runtime.distributed import under_torchrun
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but CUDA is not available here (use --device cpu)")
-        if not under_torchrun() and torch.cuda.device_count() < config.num_gpus:
-            raise ValueError(
-                f"--num-gpus {config.num_gpus} but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        hardware = detect_hardware(torch.cuda.get_device_name(0))
-    errors = validate_serve_topology(
-        config.num_gpus, config.tp_size, config.ulysses_degree, config.ring_degree, num_heads=num_heads,
-        attention_backend=_picker_backend(config.attention_backend), hardware=hardware,
-        placement=config.placement.picker_name,
-    )
-    if errors:
-        for error in errors:
-            console.print(f"[red]topology error:[/red] {error}")
-        raise typer.Exit(2)
 
 
 def _guarded(entry) -> int:
@@ -139,7 +102,7 @@ def serve(
             from tilecast.scheduler.batching_rules import BatchingRules
 
             BatchingRules.load(batching_config)  # a bad rules file stops start-up here, before any rank starts
-        _validate_topology(config)
+        validate_topology(config)
     except ValueError as exc:
         _fail(str(exc))
 
@@ -191,7 +154,7 @@ def generate(
         config = O.common_config(
             **shared, allowed_video_dir=[video_path.resolve().parent] if video_path else None, output_dir=output_path,
         )
-        _validate_topology(config)
+        validate_topology(config)
     except ValueError as exc:
         _fail(str(exc))
 
@@ -206,7 +169,7 @@ def generate(
 def _mount_subcommands() -> None:
     from tilecast.launcher.topology_cli import topology_app
 
-    from tilecast.launcher.bench_cli import bench_app
+    from tilecast.launcher.bench import bench_app
 
     app.add_typer(topology_app, name="topology", help="Validate, pick and plan parallel topologies.")
     app.add_typer(bench_app, name="bench", help="Benchmarks against their peers (GPU).")

@@ -12,7 +12,7 @@ built networks (placement is one-way), one warm-up request, then ``repeats`` tim
 - ``equal_to_resident`` / ``max_abs_diff``: output versus the resident row (streamed weights are
   the same values, so it should be exact).
 
-Mount: ``bench_app.command("placement")(placement_command)`` in ``launcher/bench_cli.py``, or run
+Mount: ``bench_app.command("placement")(placement_command)`` in ``launcher/bench/cli.py``, or run
 ``python -m tilecast.runtime.k6sr.bench_placement --workload small``.
 """
 
