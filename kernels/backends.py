@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import capabilities as caps
+
 logger = logging.getLogger(__name__)
 
 FLASH_INSTALL_HINT = 'pip install "tilecast[flash]"'
@@ -54,6 +56,13 @@ class AttentionBackend:
     """Input dtypes it accepts; ``None`` means any floating dtype."""
     check: Callable[[], str | None] | None = None
     """Optional runtime probe returning why the backend cannot run (``None`` when it can)."""
+    returns_lse: bool = True
+    """``fn`` returns the log-sum-exp (Ring attention needs it; see ``kernels/capabilities.py``)."""
+
+    @property
+    def traits(self) -> caps.BackendTraits:
+        """Its capabilities as the torch-free rule set sees them."""
+        return caps.BackendTraits(name=self.name, devices=self.devices, returns_lse=self.returns_lse)
 
     def unavailable_reason(self, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
         """Why this backend cannot run on ``device``/``dtype``, or ``None`` if it can."""
@@ -70,29 +79,21 @@ class AttentionBackend:
 
 
 _REGISTRY: dict[str, AttentionBackend] = {}
-_AUTO_ORDER: dict[str, list[str]] = {
-    "cuda": ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "chunked_math"],
-    "cpu": ["sdpa_flash_cpu", "chunked_math"],
-}
-"""Preference order of ``"auto"`` per device type (fastest first)."""
-_SDPA_ORDER: dict[str, list[str]] = {
-    "cuda": ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math"],
-    "cpu": ["sdpa_flash_cpu", "sdpa_math"],
-}
-"""What the user-facing ``"torch_sdpa"`` alias resolves to per device type."""
-_ALIASES: dict[str, str] = {"flash_attn": "fa"}
+# The selectors' preference orders and the aliases are capability data (kernels/capabilities.py).
 
 
 def register_backend(backend: AttentionBackend, *, replace: bool = False) -> None:
-    """Add ``backend`` to the registry (``replace=True`` to override an existing name)."""
+    """Add ``backend`` to the registry (``replace=True`` to override an existing name); its traits
+    go to ``kernels/capabilities.py``, where the topology rules read them."""
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"attention backend {backend.name!r} is already registered")
+    caps.declare(backend.traits, replace=replace)
     _REGISTRY[backend.name] = backend
 
 
 def backend_names() -> list[str]:
-    """Every accepted name: registered backends, ``"auto"`` and the aliases."""
-    return sorted(_REGISTRY) + ["auto", "torch_sdpa", *sorted(_ALIASES)]
+    """Every accepted name: registered backends, ``"auto"``, ``"torch_sdpa"`` and the aliases."""
+    return caps.backend_names()
 
 
 def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> list[str]:
@@ -110,9 +111,9 @@ def resolve_backend(
     ones; known but unusable ones raise ``BackendUnavailableError`` saying why.
     """
     device_type = torch.device(device).type
-    key = "auto" if name is None else _ALIASES.get(name, name)
-    if key in ("auto", "torch_sdpa"):
-        order = (_AUTO_ORDER if key == "auto" else _SDPA_ORDER).get(device_type, ["chunked_math"])
+    key = "auto" if name is None else caps.ALIASES.get(name, name)
+    if key in caps.SELECTORS:
+        order = caps.candidates(key, device_type)
         reasons = []
         for candidate in order:
             reason = _REGISTRY[candidate].unavailable_reason(device, dtype)
@@ -122,7 +123,7 @@ def resolve_backend(
         raise BackendUnavailableError(f"no {key!r} attention backend can run here: {'; '.join(reasons)}")
     backend = _REGISTRY.get(key)
     if backend is None:
-        raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(backend_names())}")
+        raise ValueError(caps.unknown_backend_message(name))
     reason = backend.unavailable_reason(device, dtype)
     if reason is not None:
         raise BackendUnavailableError(f"attention backend {name!r} cannot run here: {reason}")
@@ -251,38 +252,42 @@ def _fa(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _CUDA_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
+def _devices(name: str) -> frozenset[str]:
+    return caps.traits(name).devices
+
+
 for _backend in (
-    AttentionBackend(name="sdpa_math", fn=_math, devices=frozenset({"cpu", "cuda"})),
-    AttentionBackend(name="chunked_math", fn=_chunked_math, devices=frozenset({"cpu", "cuda"})),
+    AttentionBackend(name="sdpa_math", fn=_math, devices=_devices("sdpa_math")),
+    AttentionBackend(name="chunked_math", fn=_chunked_math, devices=_devices("chunked_math")),
     AttentionBackend(
         name="sdpa_flash_cpu",
         fn=_sdpa_flash_cpu,
-        devices=frozenset({"cpu"}),
+        devices=_devices("sdpa_flash_cpu"),
         dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
         check=_cpu_flash_check,
     ),
     AttentionBackend(
         name="sdpa_cudnn",
         fn=_sdpa_cudnn,
-        devices=frozenset({"cuda"}),
+        devices=_devices("sdpa_cudnn"),
         dtypes=_HALF,
         check=_op_check("_scaled_dot_product_cudnn_attention"),
     ),
     AttentionBackend(
         name="sdpa_flash",
         fn=_sdpa_flash,
-        devices=frozenset({"cuda"}),
+        devices=_devices("sdpa_flash"),
         dtypes=_HALF,
         check=_op_check("_scaled_dot_product_flash_attention"),
     ),
     AttentionBackend(
         name="sdpa_efficient",
         fn=_sdpa_efficient,
-        devices=frozenset({"cuda"}),
+        devices=_devices("sdpa_efficient"),
         dtypes=_CUDA_FLOATS,
         check=_op_check("_scaled_dot_product_efficient_attention"),
     ),
-    AttentionBackend(name="fa", fn=_fa, devices=frozenset({"cuda"}), dtypes=_HALF, check=_fa_check),
+    AttentionBackend(name="fa", fn=_fa, devices=_devices("fa"), dtypes=_HALF, check=_fa_check),
 ):
     register_backend(_backend)
 

@@ -1,49 +1,96 @@
-"""Checks a ``serve``/``generate`` command line must pass before any rank starts."""
+"""Checks a ``serve``/``generate`` command line must pass before any rank starts.
+
+``validate_topology`` refuses only on the one rule set's errors (``Topology.check``: the layout,
+the model's DiT, the attention kernels, FSDP); the deployment guide's recipe rules
+(``runtime/picker.py``) are printed as warnings on rank 0 and never refuse. Under torchrun the
+world size is ``--num-gpus`` on all nodes together (``launcher/cli.py`` checks it against
+``WORLD_SIZE``); only this node's ranks (``LOCAL_WORLD_SIZE``) need a CUDA device here.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from tilecast.launcher import options as O
 from tilecast.runtime.config import ServeConfig
 
 console = Console(stderr=True)
+logger = logging.getLogger(__name__)
 
 
-def _picker_backend(name: str | None) -> str:
-    """Our ``--attention-backend`` name in the picker's terms (platform | fa | torch_sdpa)."""
-    if name is None or name in ("auto", "platform"):
-        return "platform"
-    if name in ("fa", "flash_attn") :
-        return "fa"
-    return "torch_sdpa" if "sdpa" in name else name
+def topology_errors(config: ServeConfig) -> list[str]:
+    """Every error of the one rule set for this command line (empty when it can run)."""
+    from tilecast.runtime.topology import Topology, model_limits
+
+    limits = model_limits(config.model_path)
+    return Topology.check(
+        num_gpus=config.num_gpus, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree, num_heads=limits.num_heads, ff_dim=limits.ff_dim,
+        attention_backend=config.attention_backend,
+        fsdp=bool(config.use_fsdp_inference),
+    )
+
+
+def node_layout() -> tuple[int, int]:
+    """``(nodes, ranks on this node)`` under torchrun (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``); (1, 0) outside."""
+    from tilecast.runtime.distributed import under_torchrun
+
+    if not under_torchrun():
+        return 1, 0
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return max(1, -(-world // max(local, 1))), local
+
+
+def recipe_warnings(config: ServeConfig, hardware: str | None, nodes: int = 1) -> list[str]:
+    """The deployment guide's findings for this command line (``picker.recipe_findings``); none
+    for hardware the guide does not cover (CPU, or a GPU it does not list)."""
+    from tilecast.runtime import picker
+    from tilecast.runtime.topology import model_limits
+
+    if hardware is None:
+        return []
+    return picker.recipe_findings(
+        num_gpus=config.num_gpus, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree, nodes=nodes, num_heads=model_limits(config.model_path).num_heads,
+        attention_backend=config.attention_backend, placement=config.placement.picker_name,
+        decode=picker.decode_choice(
+            use_parallel_tiling=config.vae.use_parallel_tiling, use_parallel_decode=config.vae.use_parallel_decode
+        ),
+        hardware=hardware,
+    )
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def validate_topology(config: ServeConfig) -> None:
-    """The picker's rules for this command line, before any rank starts (exit 2 listing every error)."""
-    from tilecast.runtime.picker import detect_hardware, validate_serve_topology
+    """The one rule set for this command line, before any rank starts (exit 2 listing every error);
+    the deployment guide's recipe findings as warnings (rank 0)."""
+    from tilecast.runtime.picker import detect_hardware
 
-    num_heads = O.model_num_heads(config.model_path)
+    nodes, local_ranks = node_layout()
     hardware = None
     if config.device == "cuda":
         import torch
 
-        from tilecast.runtime.distributed import under_torchrun
-
         if not torch.cuda.is_available():
             raise ValueError("--device cuda requested but CUDA is not available here (use --device cpu)")
-        if not under_torchrun() and torch.cuda.device_count() < config.num_gpus:
-            raise ValueError(
-                f"--num-gpus {config.num_gpus} but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
+        needed = local_ranks or config.num_gpus  # under torchrun: this node's ranks only
+        if torch.cuda.device_count() < needed:
+            where = f"torchrun starts {needed} rank(s) on this node" if local_ranks else f"--num-gpus {needed}"
+            raise ValueError(f"{where} but this machine has {torch.cuda.device_count()} CUDA device(s)")
         hardware = detect_hardware(torch.cuda.get_device_name(0))
-    errors = validate_serve_topology(
-        config.num_gpus, config.tp_size, config.ulysses_degree, config.ring_degree, num_heads=num_heads,
-        attention_backend=_picker_backend(config.attention_backend), hardware=hardware,
-        placement=config.placement.picker_name,
-    )
+    errors = topology_errors(config)
     if errors:
         for error in errors:
-            console.print(f"[red]topology error:[/red] {error}")
+            console.print(f"[red]topology error:[/red] {escape(error)}")
         raise typer.Exit(2)
+    if _is_rank_zero():
+        for warning in recipe_warnings(config, hardware, nodes):
+            console.print(f"[yellow]topology warning:[/yellow] {escape(warning)}", soft_wrap=True)

@@ -1,8 +1,13 @@
-"""``tilecast topology check|auto|plan``: the deployment picker's rules for operators.
+"""``tilecast topology check|auto|plan``: tilecast's topology rules and the deployment guide's recipes.
 
-``check`` prints the resolved layout with every error, warning and note; ``auto`` prints the
-automatic layout for a GPU count; ``plan`` prints the ``tilecast serve`` command. Each takes
-``--json`` for scripts. Exit status: 0 valid, 1 invalid (every error listed), 2 bad usage.
+``check`` prints the resolved layout with every error of the one rule set (``Topology.check``:
+layout, the model's DiT, the attention kernels, FSDP) and, beside them, the Kandinsky 6 SR
+deployment picker's findings (``runtime/picker.py``): its recipe errors, shown as "outside the
+deployment guide's recipes", and its warnings and notes, verbatim. ``auto`` prints the picker's
+automatic layout for a GPU count; ``plan`` prints the ``tilecast serve`` command (under
+``torchrun`` for several nodes). Each takes ``--json`` for scripts. Exit status: 0 when the rule
+set accepts the layout (recipe findings never change it), 1 invalid (every error listed), 2 bad
+usage. ``--num-gpus`` is the world size, all nodes together.
 
 Mounted by the root app as ``app.add_typer(topology_app, name="topology")``; also runnable as
 ``python -m tilecast.launcher.topology_cli``.
@@ -14,21 +19,23 @@ import dataclasses
 import enum
 import json
 import logging
+import shlex
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from tilecast.kernels import capabilities
 from tilecast.launcher.options import shared_options
 from tilecast.runtime import picker
-from tilecast.runtime.topology import num_heads_from_checkpoint
+from tilecast.runtime.topology import ModelLimits, Topology, model_limits
 
 logger = logging.getLogger(__name__)
 
 topology_app = typer.Typer(
     name="topology",
-    help="Check a parallel layout against the deployment picker's rules, or plan a serve command.",
+    help="Check a parallel layout against tilecast's rules and the deployment guide's recipes, or plan a serve command.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -39,13 +46,13 @@ def _choices(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
 
 
 Hardware = _choices("Hardware", picker.HARDWARE)
-Attention = _choices("Attention", picker.ATTENTION_CHOICES)
 Decode = _choices("Decode", picker.DECODE_CHOICES)
 Placement = _choices("Placement", picker.PLACEMENT_CHOICES)
 Scale = enum.Enum("Scale", {"X2": "2", "X4": "4", "X2_25": "2.25"}, type=str)
 TileBatch = enum.Enum("TileBatch", {"ONE": "1", "TWO": "2"}, type=str)
 
-NumGpus = Annotated[int, typer.Option("--num-gpus", help="GPUs (ranks) on the node.")]
+NumGpus = Annotated[int, typer.Option("--num-gpus", help="GPUs (ranks) in all, the world size.")]
+NumNodes = Annotated[int, typer.Option("--nnodes", min=1, help="Nodes the GPUs are spread over (torchrun --nnodes).")]
 TpSize = Annotated[Optional[int], typer.Option("--tp-size", help="TP degree (any degree given: manual layout).")]
 Ulysses = Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree.")]
 Ring = Annotated[Optional[int], typer.Option("--ring-degree", help="Ring degree.")]
@@ -57,9 +64,22 @@ NumHeads = Annotated[
     Optional[int],
     typer.Option("--num-heads", min=1, help="DiT attention heads [default: 28, Kandinsky 6 SR]."),
 ]
+ATTENTION_NAMES: tuple[str, ...] = ("platform", *capabilities.backend_names())
+"""``--attention-backend`` values: the picker's ``platform`` (tilecast's auto) and every kernel name."""
+
+
+def _attention_name(value: str) -> str:
+    if value not in ATTENTION_NAMES:
+        raise typer.BadParameter(f"{value!r} is not one of: {', '.join(ATTENTION_NAMES)}")
+    return value
+
+
 AttentionOpt = Annotated[
-    Attention,
-    typer.Option("--attention-backend", help="platform: FA on datacenter GPUs, SDPA on RTX."),
+    str,
+    typer.Option(
+        "--attention-backend", callback=_attention_name,
+        help="platform (auto: FA on datacenter GPUs, SDPA on RTX), or a kernel: " + ", ".join(ATTENTION_NAMES[1:]) + ".",
+    ),
 ]
 HardwareOpt = Annotated[Hardware, typer.Option("--hardware", help="GPU model.")]
 PlacementOpt = Annotated[Placement, typer.Option("--placement", help="Weight placement.")]
@@ -80,17 +100,63 @@ TileBatchOpt = Annotated[TileBatch, typer.Option("--tile-batch", help="Request t
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 
-def _resolve_heads(model_path: str | None, num_heads: int | None) -> int | None:
+def _resolve_limits(model_path: str | None, num_heads: int | None) -> ModelLimits:
+    """The DiT's limits: ``--num-heads``, or read from ``--model-path``, or the picker's 28 heads."""
     if model_path is not None and num_heads is not None:
         raise typer.BadParameter("give --model-path or --num-heads, not both", param_hint="--num-heads")
     if num_heads is not None:
-        return num_heads
+        return ModelLimits(num_heads=num_heads)
     if model_path is not None:
         try:
-            return num_heads_from_checkpoint(model_path)
+            return model_limits(model_path)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--model-path") from exc
-    return picker.PICKER_NUM_HEADS
+    return ModelLimits(num_heads=picker.PICKER_NUM_HEADS)
+
+
+def _kernel_backend(attention: str) -> str | None:
+    """The kernel name the ranks would get (None: auto, which is what ``platform`` means to tilecast)."""
+    return None if attention == "platform" else attention
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The one rule set's errors for a selection, next to the picker's resolution of it."""
+
+    deployment: picker.Deployment
+    """The picker's view: layout, recipe errors, warnings, notes, verification."""
+    errors: list[str]
+    """``Topology.check``'s errors: non-empty means tilecast cannot run it."""
+    attention_backend: str
+    """``--attention-backend`` as given (``platform`` or a kernel name)."""
+    nnodes: int = 1
+    """Nodes the world is spread over."""
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+    def serve_argv(self, model_path: str) -> list[str]:
+        """``tilecast serve ...`` (one node) or ``torchrun --nnodes ... -m tilecast serve ...``."""
+        flags = self.deployment.serve_flags()
+        if self.attention_backend not in ("platform", self.deployment.attention):
+            flags[flags.index("--attention-backend") + 1] = self.attention_backend
+        if self.nnodes == 1:
+            return ["tilecast", "serve", "--model-path", str(model_path), *flags]
+        per_node = self.deployment.selection.gpus_per_node // self.nnodes
+        return [
+            "torchrun", "--nnodes", str(self.nnodes), "--nproc-per-node", str(per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT",
+            "-m", "tilecast", "serve", "--model-path", str(model_path), *flags,
+        ]
+
+    def to_dict(self) -> dict:
+        payload = self.deployment.to_dict()
+        payload.update(
+            valid=self.valid, errors=list(self.errors), recipe_errors=list(self.deployment.errors),
+            nnodes=self.nnodes, attention_backend=self.attention_backend,
+        )
+        return payload
 
 
 def _deployment(
@@ -99,9 +165,10 @@ def _deployment(
     tp_size: int | None,
     ulysses_degree: int | None,
     ring_degree: int | None,
-    num_heads: int | None,
+    limits: ModelLimits,
+    nnodes: int = 1,
     hardware: enum.Enum,
-    attention: enum.Enum,
+    attention: str,
     placement: enum.Enum,
     offload_components: str,
     prefetch: int,
@@ -109,18 +176,20 @@ def _deployment(
     decode: enum.Enum,
     scale: enum.Enum,
     tile_batch: enum.Enum,
-) -> picker.Deployment:
+) -> Verdict:
     manual = any(d is not None for d in (tp_size, ulysses_degree, ring_degree))
+    if num_gpus < 1 or num_gpus % nnodes:
+        raise typer.BadParameter(f"--num-gpus {num_gpus} does not split evenly over --nnodes {nnodes}")
     try:
         selection = picker.Selection(
             hw=hardware.value,
-            nodes=1,
+            nodes=nnodes,
             gpus_per_node=num_gpus,
             topology_mode="manual" if manual else "auto",
             tp_size=1 if tp_size is None else tp_size,
             ulysses_degree=1 if ulysses_degree is None else ulysses_degree,
             ring_degree=1 if ring_degree is None else ring_degree,
-            attention=attention.value,
+            attention=picker.picker_attention(_kernel_backend(attention)),
             decode=decode.value,
             placement=placement.value,
             offload_components=offload_components,
@@ -131,15 +200,28 @@ def _deployment(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    return picker.resolve_deployment(selection, num_heads=num_heads)
+    deployment = picker.resolve_deployment(selection, num_heads=limits.num_heads)
+    layout = deployment.topology
+    errors = Topology.check(
+        num_gpus=num_gpus, tp_size=layout.tp_size, ulysses_degree=layout.ulysses_degree,
+        ring_degree=layout.ring_degree, num_heads=limits.num_heads, ff_dim=limits.ff_dim,
+        attention_backend=_kernel_backend(attention), fsdp=placement.value == "fsdp",
+    )
+    return Verdict(deployment=deployment, errors=errors, attention_backend=attention, nnodes=nnodes)
 
 
 def _print_json(payload: dict) -> None:
     typer.echo(json.dumps(payload, indent=2))
 
 
-def _print_messages(console: Console, deployment: picker.Deployment, *, notes: bool = True) -> None:
-    sections = [("Errors", "red", "x", deployment.errors), ("Warnings", "yellow", "!", deployment.warnings)]
+def _print_messages(console: Console, verdict: Verdict, *, warnings: bool = True, notes: bool = True) -> None:
+    deployment = verdict.deployment
+    sections = [
+        ("Errors", "red", "x", verdict.errors),
+        ("Outside the deployment guide's recipes", "yellow", "~", deployment.errors),
+    ]
+    if warnings:
+        sections.append(("Warnings", "yellow", "!", deployment.warnings))
     if notes:
         sections.append(("Notes", "dim", "-", deployment.notes))
     for title, style, mark, messages in sections:
@@ -152,34 +234,42 @@ def _print_messages(console: Console, deployment: picker.Deployment, *, notes: b
         console.print(f"[bold]Suggested valid layout:[/] {deployment.suggestion.describe()}")
 
 
-def _print_summary(console: Console, deployment: picker.Deployment) -> None:
+def _print_summary(console: Console, verdict: Verdict) -> None:
+    deployment = verdict.deployment
     s = deployment.selection
     mode = "manual" if s.topology_mode == "manual" else "auto"
+    nodes = f" over {verdict.nnodes} nodes" if verdict.nnodes > 1 else ""
+    attention = (
+        f"{deployment.attention} ({deployment.resolved_settings()['attention']}, from {s.attention})"
+        if verdict.attention_backend == "platform" else f"{verdict.attention_backend} (recipes: {deployment.attention})"
+    )
     rows = [
         ("hardware", picker.HARDWARE_LABELS[s.hw]),
-        ("GPUs", str(s.gpus_per_node)),
+        ("GPUs", f"{s.gpus_per_node}{nodes}"),
         ("topology", f"{deployment.summary} ({mode})"),
         ("DiT heads", "unknown (rule skipped)" if deployment.num_heads is None else str(deployment.num_heads)),
-        ("attention", f"{deployment.attention} ({deployment.resolved_settings()['attention']}, from {s.attention})"),
+        ("attention", attention),
         ("decode", s.decode),
         ("placement", s.placement + (f" ({s.offload_components})" if s.placement in ("component", "offload") else "")),
         ("request", f"scale x{s.scale}, tile batch {s.tile_batch}"),
         ("verification", f"serve {deployment.verification['serve']}, request {deployment.verification['request']}"),
     ]
-    status = "[bold green]valid[/]" if deployment.valid else f"[bold red]invalid ({len(deployment.errors)} error{'s' if len(deployment.errors) != 1 else ''})[/]"
-    console.print(f"Kandinsky 6 SR deployment: {status}")
+    count = len(verdict.errors)
+    status = "[bold green]valid[/]" if verdict.valid else f"[bold red]invalid ({count} error{'s' if count != 1 else ''})[/]"
+    console.print(f"Deployment: {status}")
     for key, value in rows:
         console.print(f"  {key:<13}{escape(value)}")
 
 
 def _selection(
     num_gpus: NumGpus,
+    nnodes: NumNodes = 1,
     tp_size: TpSize = None,
     ulysses_degree: Ulysses = None,
     ring_degree: Ring = None,
     model_path: ModelPath = None,
     num_heads: NumHeads = None,
-    attention_backend: AttentionOpt = Attention("platform"),
+    attention_backend: AttentionOpt = "platform",
     hardware: HardwareOpt = Hardware("gb300"),
     placement: PlacementOpt = Placement("resident"),
     offload_components: OffloadOpt = "all",
@@ -192,25 +282,26 @@ def _selection(
     """Declares the selection ``check`` and ``plan`` take (``shared_options``)."""
 
 
-def _selected(selection: dict) -> picker.Deployment:
-    """The deployment of a ``_selection`` (the model's heads resolved from ``--model-path``)."""
+def _selected(selection: dict) -> Verdict:
+    """The verdict on a ``_selection`` (the model's limits resolved from ``--model-path``)."""
     options = dict(selection)
-    num_heads = _resolve_heads(options.pop("model_path"), options.pop("num_heads"))
-    return _deployment(num_heads=num_heads, attention=options.pop("attention_backend"), **options)
+    limits = _resolve_limits(options.pop("model_path"), options.pop("num_heads"))
+    return _deployment(limits=limits, attention=options.pop("attention_backend"), **options)
 
 
 @topology_app.command()
 @shared_options(_selection)
 def check(shared: dict, json_output: JsonOpt = False) -> None:
-    """Resolve a selection and list every error, warning and note (exit 1 when invalid)."""
-    deployment = _selected(shared)
+    """Check a selection against tilecast's rules (exit 1 listing every error) and show the
+    deployment guide's recipe findings, warnings and notes beside them."""
+    verdict = _selected(shared)
     if json_output:
-        _print_json(deployment.to_dict())
+        _print_json(verdict.to_dict())
     else:
         console = Console(soft_wrap=True, highlight=False)
-        _print_summary(console, deployment)
-        _print_messages(console, deployment)
-    raise typer.Exit(0 if deployment.valid else 1)
+        _print_summary(console, verdict)
+        _print_messages(console, verdict)
+    raise typer.Exit(0 if verdict.valid else 1)
 
 
 @topology_app.command()
@@ -219,28 +310,30 @@ def auto(
     model_path: ModelPath = None,
     num_heads: NumHeads = None,
     hardware: HardwareOpt = Hardware("gb300"),
-    attention_backend: AttentionOpt = Attention("platform"),
+    attention_backend: AttentionOpt = "platform",
     json_output: JsonOpt = False,
 ) -> None:
-    """The picker's automatic layout for NUM_GPUS (exit 1 when that layout is invalid)."""
-    deployment = _deployment(
+    """The picker's automatic layout for NUM_GPUS (exit 1 when tilecast's rules reject it)."""
+    verdict = _deployment(
         num_gpus=num_gpus, tp_size=None, ulysses_degree=None, ring_degree=None,
-        num_heads=_resolve_heads(model_path, num_heads), hardware=hardware, attention=attention_backend,
+        limits=_resolve_limits(model_path, num_heads), hardware=hardware, attention=attention_backend,
         placement=Placement("resident"), offload_components="all", prefetch=1, resident_layers=0,
         decode=Decode("tiles"), scale=Scale("2"), tile_batch=TileBatch("1"),
     )
+    deployment = verdict.deployment
     t = deployment.topology
     if json_output:
         _print_json(
             {
-                "valid": deployment.valid,
+                "valid": verdict.valid,
                 "num_gpus": num_gpus,
                 "num_heads": deployment.num_heads,
                 "tp_size": t.tp_size,
                 "ulysses_degree": t.ulysses_degree,
                 "ring_degree": t.ring_degree,
                 "summary": deployment.summary,
-                "errors": deployment.errors,
+                "errors": verdict.errors,
+                "recipe_errors": deployment.errors,
                 "suggestion": deployment.to_dict()["suggestion"],
             }
         )
@@ -252,27 +345,28 @@ def auto(
             f"  --tp-size {t.tp_size} --ulysses-degree {t.ulysses_degree} --ring-degree {t.ring_degree}",
             markup=False,
         )
-        _print_messages(console, dataclasses.replace(deployment, warnings=[]), notes=False)
-    raise typer.Exit(0 if deployment.valid else 1)
+        _print_messages(console, verdict, warnings=False, notes=False)
+    raise typer.Exit(0 if verdict.valid else 1)
 
 
 @topology_app.command()
 @shared_options(_selection)
 def plan(shared: dict, json_output: JsonOpt = False) -> None:
-    """Print the `tilecast serve` command for a valid selection (command on stdout, warnings on stderr)."""
-    deployment = _selected(shared)
+    """Print the `tilecast serve` command for a valid selection (command on stdout, findings on stderr)."""
+    verdict = _selected(shared)
     path = shared["model_path"] or f"/path/to/{picker.DEFAULT_MODEL_NAME}"
+    argv = verdict.serve_argv(path) if verdict.valid else None
     if json_output:
-        payload = deployment.to_dict()
-        payload["argv"] = deployment.serve_argv(path) if deployment.valid else None
-        payload["command"] = deployment.serve_command(path) if deployment.valid else None
+        payload = verdict.to_dict()
+        payload["argv"] = argv
+        payload["command"] = shlex.join(argv) if argv else None
         _print_json(payload)
     else:
         err = Console(stderr=True, soft_wrap=True, highlight=False)
-        if deployment.valid:
-            typer.echo(deployment.serve_command(path))
-        _print_messages(err, deployment)
-    raise typer.Exit(0 if deployment.valid else 1)
+        if argv:
+            typer.echo(shlex.join(argv))
+        _print_messages(err, verdict)
+    raise typer.Exit(0 if verdict.valid else 1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""The Kandinsky 6 SR deployment picker's rules, for the operator CLI and ``serve``.
+"""The Kandinsky 6 SR deployment picker's recipe rules, for ``tilecast topology`` and start-up warnings.
+
+These are the deployment guide's recipes, not what tilecast can run: ``runtime/topology.py``
+(``Topology.check``) is the one rule set that decides that, and ``serve``/``generate`` refuse
+only on its errors. The picker's findings for a command line (``recipe_findings``) are logged
+at start as warnings; ``tilecast topology check|auto|plan`` shows them beside the rule set's.
 
 The reference cookbook page ships an interactive picker (hardware, GPU count, topology,
 attention, decode, weight placement, request options) that validates a selection, picks an
@@ -12,7 +17,8 @@ the function that makes it:
 - ``auto_topology`` reproduces the picker for 28 heads and 1-8 GPUs, including its layouts for
   3, 5 and 6 GPUs, which ``validate_topology`` then rejects, as the picker does. For other head
   counts or GPU counts it takes the largest Ulysses degree dividing both, the rest to Ring.
-- The picker's UI clamps GPUs per node to 1-8; here that limit is a validation error.
+- The picker's UI clamps GPUs per node to 1-8; here that limit is a recipe error (one node).
+- ``gpus_per_node`` holds the world size; with ``nodes`` > 1 the picker's one-node rule fires.
 - ``notes`` also lists the picker's per-option cautions (soft reasons, hints, "unverified"
   descriptions) and settings that the selection ignores; the picker shows those beside the
   options rather than in its warnings list.
@@ -319,8 +325,8 @@ def _topology_errors(
         errors.append(ERR_DEGREES)
     if nodes != 1:
         errors.append(ERR_NODES)
-    if not (isinstance(num_gpus, int) and GPUS_PER_NODE_RANGE[0] <= num_gpus <= GPUS_PER_NODE_RANGE[1]):
-        errors.append(ERR_GPU_RANGE)
+    if nodes == 1 and not (isinstance(num_gpus, int) and GPUS_PER_NODE_RANGE[0] <= num_gpus <= GPUS_PER_NODE_RANGE[1]):
+        errors.append(ERR_GPU_RANGE)  # over several nodes ERR_NODES already says it
     if math.prod(degrees) != num_gpus:
         errors.append(ERR_PRODUCT)
     if num_heads is not None:
@@ -353,32 +359,53 @@ def validate_topology(selection: Selection, topology: Layout, *, num_heads: int 
     )
 
 
-def validate_serve_topology(
+def picker_attention(name: str | None) -> str:
+    """An ``--attention-backend`` name in the picker's terms: ``platform`` (auto), ``fa`` (flash-attn),
+    or ``torch_sdpa`` (any other kernel: the picker knows only these two paths)."""
+    if name is None or name in ("auto", "platform"):
+        return "platform"
+    if name in ("fa", "flash_attn"):
+        return "fa"
+    return "torch_sdpa"
+
+
+def decode_choice(*, use_parallel_tiling: bool, use_parallel_decode: bool) -> str:
+    """The picker's decode id of the ``--vae-config.*`` switches (spatial wins when both are on)."""
+    if use_parallel_decode:
+        return "spatial"
+    return "tiles" if use_parallel_tiling else "serial"
+
+
+def recipe_findings(
+    *,
     num_gpus: int,
     tp_size: int = 1,
     ulysses_degree: int = 1,
     ring_degree: int = 1,
-    *,
+    nodes: int = 1,
     num_heads: int | None,
-    attention_backend: str = "platform",
+    attention_backend: str | None = None,
     placement: str = "resident",
-    hardware: str | None = None,
+    decode: str = "serial",
+    hardware: str,
 ) -> list[str]:
-    """The picker's topology errors for a ``tilecast serve`` command line (empty when valid).
+    """The picker's errors and warnings for a ``tilecast serve`` command line, as warnings.
 
-    ``hardware`` is a ``HARDWARE`` id or None when unknown (CPU, or a GPU the picker does not
-    list; see ``detect_hardware``): the SM120 rules then apply only to an explicit backend.
-    ``num_heads=None`` skips the head rule.
+    ``hardware`` is a ``HARDWARE`` id (``detect_hardware``); ``num_gpus`` is the world size over
+    ``nodes`` nodes. Errors come first, each prefixed ``outside the deployment guide's recipes:``
+    (tilecast runs them; the guide has no recipe for them), then the picker's warnings verbatim.
     """
-    return _topology_errors(
-        hw=hardware,
-        nodes=1,
-        num_gpus=num_gpus,
-        attention=attention_backend,
-        placement=placement,
-        layout=Layout(tp_size=tp_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree),
-        num_heads=num_heads,
+    selection = Selection(
+        hw=hardware, nodes=nodes, gpus_per_node=num_gpus, topology_mode="manual", tp_size=tp_size,
+        ulysses_degree=ulysses_degree, ring_degree=ring_degree, attention=picker_attention(attention_backend),
+        placement=placement, decode=decode,
     )
+    deployment = resolve_deployment(selection, num_heads=num_heads)
+    return [RECIPE_PREFIX + error for error in deployment.errors] + deployment.warnings
+
+
+RECIPE_PREFIX = "outside the deployment guide's recipes: "
+"""Put before a picker error that is only a warning (``recipe_findings``)."""
 
 
 _HARDWARE_PATTERNS = (

@@ -105,20 +105,18 @@ def write_pid_file(rank: int) -> None:
 
 
 def build_groups(config: ServeConfig, ranks: Ranks):
-    """The topology's process groups (collective on every rank); None with one rank."""
+    """The topology's process groups (collective on every rank); None with one rank.
+
+    The world size is this run's, on every node (``WORLD_SIZE``); the data-parallel replicas fill
+    it (``Topology``'s rules, so a mistake reads as it does before launch: ``TopologyError``).
+    """
     if not ranks.distributed:
         return None
     from tilecast.runtime.topology import Topology
 
-    model_parallel = config.tp_size * config.ulysses_degree * config.ring_degree
-    if ranks.world_size % model_parallel:
-        raise ValueError(
-            f"{ranks.world_size} ranks cannot hold TP {config.tp_size} x Ulysses {config.ulysses_degree}"
-            f" x Ring {config.ring_degree} = {model_parallel}"
-        )
     topology = Topology(
         num_gpus=ranks.world_size, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, dp_degree=ranks.world_size // model_parallel,
+        ring_degree=config.ring_degree, attention_backend=config.attention_backend,
     )
     return topology.groups(topology.build_mesh(ranks.device.type))
 

@@ -29,7 +29,6 @@ MESH_AXES: tuple[str, ...] = ("dp", "ring", "ulysses", "tp")
 """Mesh axis names, outer to inner."""
 
 TINY_K6SR = "tiny/k6sr"
-_TINY_K6SR_FALLBACK_HEADS = 12
 _DEGREE_FIELDS = ("tp_size", "ulysses_degree", "ring_degree", "dp_degree")
 
 
@@ -45,22 +44,120 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def degree_errors(
+    *, num_gpus: int, tp_size: int = 1, ulysses_degree: int = 1, ring_degree: int = 1, dp_degree: int | None = None
+) -> list[str]:
+    """The layout rules: positive degrees, and a world size the degrees fill exactly.
+
+    ``dp_degree=None`` derives the data-parallel replicas as ``num_gpus // (TP x Ulysses x Ring)``
+    (what ``tilecast serve`` does), so the world size must be a multiple of that product.
+    """
+    degrees = {"tp_size": tp_size, "ulysses_degree": ulysses_degree, "ring_degree": ring_degree}
+    if dp_degree is not None:
+        degrees["dp_degree"] = dp_degree
+    errors: list[str] = []
+    if not _is_positive_int(num_gpus):
+        errors.append(f"num_gpus must be a positive integer, got {num_gpus!r}.")
+    bad = [f"{name}={value!r}" for name, value in degrees.items() if not _is_positive_int(value)]
+    if bad:
+        errors.append(f"Parallel degrees must be positive integers: {', '.join(bad)}.")
+        return errors
+    if not _is_positive_int(num_gpus):
+        return errors
+    model_parallel = tp_size * ulysses_degree * ring_degree
+    terms = f"TP {tp_size} x Ulysses {ulysses_degree} x Ring {ring_degree}"
+    if dp_degree is None:
+        if num_gpus % model_parallel:
+            errors.append(
+                "GPU count must equal TP times Ulysses times Ring, or a multiple of it (the data-parallel "
+                f"replicas): num_gpus={num_gpus}, but {terms} = {model_parallel}."
+            )
+    elif dp_degree * model_parallel != num_gpus:
+        what = "TP times Ulysses times Ring" if dp_degree == 1 else "DP times TP times Ulysses times Ring"
+        terms = terms if dp_degree == 1 else f"DP {dp_degree} x {terms}"
+        errors.append(f"GPU count must equal {what}: num_gpus={num_gpus}, but {terms} = {dp_degree * model_parallel}.")
+    return errors
+
+
+def model_errors(
+    *, tp_size: int = 1, ulysses_degree: int = 1, num_heads: int | None = None, ff_dim: int | None = None
+) -> list[str]:
+    """What the model's DiT allows: TP x Ulysses divides its heads, TP divides its FF width.
+
+    ``None`` means unknown: that rule is skipped.
+    """
+    errors: list[str] = []
+    if not (_is_positive_int(tp_size) and _is_positive_int(ulysses_degree)):
+        return errors  # degree_errors names them
+    if num_heads is not None:
+        if not _is_positive_int(num_heads):
+            errors.append(f"num_heads must be a positive integer, got {num_heads!r}.")
+        elif num_heads % (tp_size * ulysses_degree):
+            errors.append(
+                f"TP times Ulysses must divide the {num_heads} DiT heads: "
+                f"TP {tp_size} x Ulysses {ulysses_degree} = {tp_size * ulysses_degree}."
+            )
+    if ff_dim is not None and _is_positive_int(ff_dim) and ff_dim % tp_size:
+        errors.append(f"TP must divide the DiT's feed-forward width: ff_dim={ff_dim}, but TP {tp_size}.")
+    return errors
+
+
+def kernel_errors(*, ring_degree: int = 1, attention_backend: str | None = None) -> list[str]:
+    """What the attention kernels can do (``kernels/capabilities.py``): the backend name is known, and
+    with Ring > 1 it returns the log-sum-exp the Ring merge needs.
+
+    Whether the backend can run on this machine (CUDA, an optional package) is checked where the
+    kernel is resolved, on the ranks.
+    """
+    from tilecast.kernels import capabilities
+
+    if attention_backend is not None:
+        try:
+            capabilities.candidates(attention_backend)
+        except ValueError as exc:
+            return [f"{exc}."]
+    if _is_positive_int(ring_degree) and ring_degree > 1:
+        problem = capabilities.ring_problem(attention_backend)
+        if problem is not None:
+            return [f"Ring {ring_degree}: {problem}."]
+    return []
+
+
+def placement_errors(*, num_gpus: int, fsdp: bool = False) -> list[str]:
+    """FSDP shards the DiT across the ranks, so it needs two or more."""
+    if fsdp and _is_positive_int(num_gpus) and num_gpus < 2:
+        return [
+            "FSDP requires multiple GPUs: --use-fsdp-inference true shards the DiT across the ranks, "
+            f"but num_gpus={num_gpus}."
+        ]
+    return []
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Topology:
-    """How ``num_gpus`` ranks split into DP replicas, Ring, Ulysses and TP groups."""
+    """How ``num_gpus`` ranks split into DP replicas, Ring, Ulysses and TP groups.
+
+    Built only when every rule holds (``check``): the layout, the model's DiT (heads, FF width)
+    and the attention kernels (Ring needs a backend that returns the log-sum-exp).
+    """
 
     num_gpus: int
-    """Number of ranks (one per GPU; on CPU, one per process)."""
+    """Number of ranks, the world size (one per GPU; on CPU, one per process), on all nodes."""
     tp_size: int = 1
     """Tensor-parallel degree: each attention/MLP weight is split across this many ranks."""
     ulysses_degree: int = 1
     """Ulysses sequence-parallel degree: all-to-all swaps the sequence split for a head split."""
     ring_degree: int = 1
     """Ring-attention degree: K/V blocks rotate around this many ranks, outputs merged by LSE."""
-    dp_degree: int = 1
-    """Data-parallel replicas, each serving different requests with a full copy of the model."""
+    dp_degree: int | None = None
+    """Data-parallel replicas, each with a full copy of the model; None: ``num_gpus // (TP x
+    Ulysses x Ring)``, as ``tilecast serve`` lays the ranks out. An int after construction."""
     num_heads: int | None = None
     """Attention heads of the model's DiT when known; TP x Ulysses must divide it."""
+    ff_dim: int | None = None
+    """Feed-forward width of the model's DiT when known; TP must divide it."""
+    attention_backend: str | None = None
+    """``--attention-backend`` name (None: auto); with Ring > 1 it must return the log-sum-exp."""
 
     def __post_init__(self) -> None:
         errors = self.check(
@@ -70,9 +167,13 @@ class Topology:
             ring_degree=self.ring_degree,
             dp_degree=self.dp_degree,
             num_heads=self.num_heads,
+            ff_dim=self.ff_dim,
+            attention_backend=self.attention_backend,
         )
         if errors:
             raise TopologyError(errors)
+        if self.dp_degree is None:
+            object.__setattr__(self, "dp_degree", self.num_gpus // self.replica_size)
 
     @staticmethod
     def check(
@@ -81,40 +182,26 @@ class Topology:
         tp_size: int = 1,
         ulysses_degree: int = 1,
         ring_degree: int = 1,
-        dp_degree: int = 1,
+        dp_degree: int | None = None,
         num_heads: int | None = None,
+        ff_dim: int | None = None,
+        attention_backend: str | None = None,
+        fsdp: bool = False,
     ) -> list[str]:
-        """Every rule the layout breaks, as messages naming the bad values (empty when valid)."""
-        degrees = {
-            "tp_size": tp_size,
-            "ulysses_degree": ulysses_degree,
-            "ring_degree": ring_degree,
-            "dp_degree": dp_degree,
-        }
-        errors: list[str] = []
-        if not _is_positive_int(num_gpus):
-            errors.append(f"num_gpus must be a positive integer, got {num_gpus!r}.")
-        bad = [f"{name}={value!r}" for name, value in degrees.items() if not _is_positive_int(value)]
-        if bad:
-            errors.append(f"Parallel degrees must be positive integers: {', '.join(bad)}.")
-            return errors
-        product = dp_degree * ring_degree * ulysses_degree * tp_size
-        if _is_positive_int(num_gpus) and product != num_gpus:
-            terms = f"TP {tp_size} x Ulysses {ulysses_degree} x Ring {ring_degree}"
-            what = "TP times Ulysses times Ring"
-            if dp_degree != 1:
-                terms = f"DP {dp_degree} x " + terms
-                what = "DP times " + what
-            errors.append(f"GPU count must equal {what}: num_gpus={num_gpus}, but {terms} = {product}.")
-        if num_heads is not None:
-            if not _is_positive_int(num_heads):
-                errors.append(f"num_heads must be a positive integer, got {num_heads!r}.")
-            elif num_heads % (tp_size * ulysses_degree):
-                errors.append(
-                    f"TP times Ulysses must divide the {num_heads} DiT heads: "
-                    f"TP {tp_size} x Ulysses {ulysses_degree} = {tp_size * ulysses_degree}."
-                )
-        return errors
+        """Every rule the deployment breaks, as messages naming the bad values (empty when valid).
+
+        The one rule set: ``degree_errors`` (layout), ``model_errors`` (the DiT),
+        ``kernel_errors`` (the attention backend), ``placement_errors`` (FSDP).
+        """
+        return [
+            *degree_errors(
+                num_gpus=num_gpus, tp_size=tp_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+                dp_degree=dp_degree,
+            ),
+            *model_errors(tp_size=tp_size, ulysses_degree=ulysses_degree, num_heads=num_heads, ff_dim=ff_dim),
+            *kernel_errors(ring_degree=ring_degree, attention_backend=attention_backend),
+            *placement_errors(num_gpus=num_gpus, fsdp=fsdp),
+        ]
 
     @classmethod
     def auto(cls, num_gpus: int, *, num_heads: int | None = None) -> Topology:
@@ -152,7 +239,7 @@ class Topology:
     def describe(self) -> str:
         """One-line summary, e.g. ``TP 1, Ulysses 4, Ring 1`` (``, DP n`` appended when n > 1)."""
         text = f"TP {self.tp_size}, Ulysses {self.ulysses_degree}, Ring {self.ring_degree}"
-        return text + (f", DP {self.dp_degree}" if self.dp_degree > 1 else "")
+        return text + (f", DP {self.dp_degree}" if self.dp_degree and self.dp_degree > 1 else "")
 
     def axis_ranks(self, axis: str) -> list[list[int]]:
         """The rank lists of every group along ``axis`` (``decode`` and ``sp`` included).
@@ -260,26 +347,36 @@ def _product_ranges(sizes: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def num_heads_from_checkpoint(model_path: str | Path) -> int | None:
-    """Attention heads of the DiT behind ``model_path`` (a built-in name or a diffusers directory).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelLimits:
+    """What a model's DiT lets a topology split (None: unknown, the rule is skipped)."""
+
+    num_heads: int | None = None
+    """Attention heads: TP x Ulysses must divide them."""
+    ff_dim: int | None = None
+    """Feed-forward hidden width: TP must divide it."""
+
+
+TINY_K6SR_LIMITS = ModelLimits(num_heads=12, ff_dim=384)
+"""``tiny/k6sr``'s DiT (``runtime/k6sr/tiny.py``: model_dim 192 over head dim 4+6+6, ff_dim 384),
+written here so the check needs no torch import; a test holds it equal to the tiny config."""
+
+
+def model_limits(model_path: str | Path) -> ModelLimits:
+    """Heads and FF width of the DiT behind ``model_path`` (a built-in name or a diffusers directory).
 
     Reads ``transformer/config.json``: ``num_attention_heads`` when present (most diffusers
     DiTs), else ``model_dim / sum(axes_dims)`` (Kandinsky 6 SR, whose head dim is the sum of its
-    RoPE axes; diffusers' defaults 1792 and (16, 24, 24) give 28 heads). ``tiny/k6sr`` has
-    ``tilecast.runtime.k6sr.tiny.TINY_NUM_HEADS`` (12). Other built-in names (``tiny/...``,
-    ``random/...``, ``test/...``) give None: unknown, so the head rule is skipped. ``ValueError`` when a
-    directory's count cannot be told.
+    RoPE axes; diffusers' defaults 1792 and (16, 24, 24) give 28 heads); ``ff_dim`` when present.
+    ``tiny/k6sr`` is ``TINY_K6SR_LIMITS``. Other built-in names (``tiny/...``, ``random/...``,
+    ``test/...``) give unknown limits. ``ValueError`` when a directory's head count cannot be told.
     """
     name = str(model_path)
     if name == TINY_K6SR:
-        try:
-            from tilecast.runtime.k6sr import tiny
-        except ImportError:
-            return _TINY_K6SR_FALLBACK_HEADS
-        return int(getattr(tiny, "TINY_NUM_HEADS", _TINY_K6SR_FALLBACK_HEADS))
+        return TINY_K6SR_LIMITS
     if name.startswith(("tiny/", "random/", "test/")) and not Path(model_path).exists():
         logger.debug("no head count known for built-in model %s", name)
-        return None
+        return ModelLimits()
     path = Path(model_path)
     config_path = path / "transformer" / "config.json"
     if not config_path.is_file():
@@ -290,16 +387,22 @@ def num_heads_from_checkpoint(model_path: str | Path) -> int | None:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {config_path}: {exc}") from exc
+    ff_dim = config.get("ff_dim") if isinstance(config.get("ff_dim"), int) else None
     if isinstance(config.get("num_attention_heads"), int):
-        return config["num_attention_heads"]
+        return ModelLimits(num_heads=config["num_attention_heads"], ff_dim=ff_dim)
     class_name = str(config.get("_class_name", ""))
     if "model_dim" in config or "axes_dims" in config or class_name.startswith("Kandinsky6SR"):
         model_dim = int(config.get("model_dim", 1792))
         head_dim = sum(int(d) for d in config.get("axes_dims", (16, 24, 24)))
         if head_dim <= 0 or model_dim % head_dim:
             raise ValueError(f"{config_path}: model_dim {model_dim} is not a multiple of sum(axes_dims) {head_dim}")
-        return model_dim // head_dim
+        return ModelLimits(num_heads=model_dim // head_dim, ff_dim=ff_dim)
     raise ValueError(
         f"{config_path} ({class_name or 'no _class_name'}) has neither num_attention_heads nor "
         "model_dim/axes_dims; pass --num-heads"
     )
+
+
+def num_heads_from_checkpoint(model_path: str | Path) -> int | None:
+    """Attention heads of the DiT behind ``model_path`` (``model_limits(model_path).num_heads``)."""
+    return model_limits(model_path).num_heads

@@ -88,7 +88,7 @@ def test_heads_must_divide_tp_times_ulysses():
 
     model, _, _ = _tiny_dit()
     for tp, ulysses in [(8, 1), (2, 4), (1, 8)]:  # 12 heads
-        with pytest.raises(ValueError, match="must divide the model's 12 attention heads"):
-            dit_parallel._check_divisible(model, tp, ulysses)
+        with pytest.raises(ValueError, match="TP times Ulysses must divide the 12 DiT heads"):
+            dit_parallel._check_divisible(model, tp, ulysses)  # the same words as before launch
     dit_parallel._check_divisible(model, 2, 2)
     dit_parallel._check_divisible(model, 1, 4)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.distributed  # noqa: F401 - puts ``tests`` on the path spawned ranks import from
 from tilecast.runtime import picker
 from tilecast.runtime.picker import Layout, Selection, auto_topology, resolve_deployment, validate_topology
 from tilecast.runtime.topology import MESH_AXES, Topology, TopologyError, num_heads_from_checkpoint
@@ -62,6 +63,98 @@ def test_unknown_heads_skip_the_head_rule():
     assert Topology.check(num_gpus=6, ulysses_degree=6) == []
     assert Topology.check(num_gpus=6, ulysses_degree=6, num_heads=12) == []
     assert len(Topology.check(num_gpus=6, ulysses_degree=6, num_heads=28)) == 1
+
+
+def test_world_size_is_degrees_times_data_parallel_replicas():
+    assert Topology(num_gpus=16, ulysses_degree=4, ring_degree=2, num_heads=28).dp_degree == 2
+    assert Topology(num_gpus=16, ulysses_degree=4, ring_degree=4, num_heads=28).dp_degree == 1
+    assert Topology(num_gpus=4, ulysses_degree=2).describe() == "TP 1, Ulysses 2, Ring 1, DP 2"
+    (error,) = Topology.check(num_gpus=4, ulysses_degree=3)
+    assert error == (
+        "GPU count must equal TP times Ulysses times Ring, or a multiple of it (the data-parallel replicas): "
+        "num_gpus=4, but TP 1 x Ulysses 3 x Ring 1 = 3."
+    )
+    assert Topology.check(num_gpus=4, ulysses_degree=2, dp_degree=1)[0].startswith(
+        "GPU count must equal TP times Ulysses times Ring: num_gpus=4")
+
+
+@pytest.mark.parametrize(
+    "backend", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "chunked_math", "fa", "flash_attn",
+                "torch_sdpa", "auto", None],
+)
+def test_ring_runs_on_every_backend_that_returns_lse(backend):
+    # the rule, not this machine's kernels: sdpa_cudnn validates without a GPU
+    assert Topology.check(num_gpus=2, ring_degree=2, attention_backend=backend) == []
+    assert Topology(num_gpus=4, ulysses_degree=2, ring_degree=2, attention_backend=backend).ring_degree == 2
+
+
+def test_ring_refuses_a_backend_without_lse_and_unknown_names():
+    from tilecast.kernels import capabilities
+
+    capabilities.declare(capabilities.BackendTraits(name="test_no_lse", devices=frozenset({"cpu"}), returns_lse=False))
+    try:
+        assert Topology.check(num_gpus=2, ulysses_degree=2, attention_backend="test_no_lse") == []
+        (error,) = Topology.check(num_gpus=2, ring_degree=2, attention_backend="test_no_lse")
+        assert error.startswith("Ring 2: Ring attention merges partial results by their log-sum-exp")
+        assert "test_no_lse" in error
+    finally:
+        capabilities._TRAITS.pop("test_no_lse")
+    (error,) = Topology.check(num_gpus=1, attention_backend="flash")
+    assert error.startswith("unknown attention backend 'flash'; valid names: ")
+
+
+def test_capabilities_describe_the_registered_kernels():
+    from tilecast.kernels import backends, capabilities
+
+    assert capabilities.backend_names() == backends.backend_names()
+    for name, backend in backends._REGISTRY.items():
+        assert capabilities.traits(name) == backend.traits
+    assert set(capabilities.candidates("auto")) | set(capabilities.candidates("torch_sdpa")) <= set(backends._REGISTRY)
+
+
+def test_model_rules_heads_and_ff_width():
+    from tilecast.runtime.topology import model_errors
+
+    assert model_errors(tp_size=2, ulysses_degree=2, num_heads=12, ff_dim=384) == []
+    assert model_errors(tp_size=5, num_heads=10, ff_dim=384) == [
+        "TP must divide the DiT's feed-forward width: ff_dim=384, but TP 5."]
+    assert len(Topology.check(num_gpus=8, tp_size=8, num_heads=12, ff_dim=384)) == 1
+
+
+def test_fsdp_needs_two_ranks():
+    (error,) = Topology.check(num_gpus=1, fsdp=True)
+    assert error.startswith("FSDP requires multiple GPUs.".rstrip("."))
+    assert Topology.check(num_gpus=2, ulysses_degree=2, fsdp=True) == []
+
+
+def test_tiny_k6sr_limits_match_its_config():
+    from tilecast.runtime.k6sr.tiny import TRANSFORMER_CONFIG
+    from tilecast.runtime.topology import TINY_K6SR_LIMITS, model_limits
+
+    config = TRANSFORMER_CONFIG
+    assert TINY_K6SR_LIMITS.num_heads == config["model_dim"] // sum(config["axes_dims"])
+    assert TINY_K6SR_LIMITS.ff_dim == config["ff_dim"]
+    assert model_limits("tiny/k6sr") == TINY_K6SR_LIMITS
+
+
+def test_same_mistake_same_message_before_launch_and_on_the_ranks():
+    from types import SimpleNamespace
+
+    from tilecast.runtime.k6sr import dit_parallel
+    from tilecast.runtime.rank import build_groups
+    from tilecast.runtime.topology import TopologyError
+
+    expected = Topology.check(num_gpus=4, ulysses_degree=3)
+    config = SimpleNamespace(tp_size=1, ulysses_degree=3, ring_degree=1, attention_backend=None)
+    ranks = SimpleNamespace(distributed=True, world_size=4)
+    with pytest.raises(TopologyError) as info:
+        build_groups(config, ranks)  # raises before any collective
+    assert info.value.errors == expected
+
+    transformer = SimpleNamespace(config=SimpleNamespace(model_dim=192, axes_dims=(4, 6, 6), ff_dim=384))
+    with pytest.raises(TopologyError) as info:
+        dit_parallel._check_divisible(transformer, 1, 8)
+    assert info.value.errors == Topology.check(num_gpus=8, ulysses_degree=8, num_heads=12, ff_dim=384)
 
 
 def test_auto_topology_value():
@@ -351,21 +444,23 @@ def test_all_errors_at_once_in_picker_order():
     ]
 
 
-def test_validate_serve_topology():
-    assert picker.validate_serve_topology(4, 1, 4, 1, num_heads=28) == []
-    assert picker.validate_serve_topology(4, 1, 2, 2, num_heads=12, attention_backend="torch_sdpa") == [
-        "SDPA does not support Ring rotation."
-    ]
-    # unknown hardware: the SM120 rules apply only to an explicit backend
-    assert picker.validate_serve_topology(2, 1, 1, 2, num_heads=None) == []
-    assert picker.validate_serve_topology(2, 1, 1, 2, num_heads=None, hardware="rtx5090") == [
-        "SDPA does not support Ring rotation."
-    ]
-    assert picker.validate_serve_topology(1, num_heads=28, placement="fsdp") == ["FSDP requires multiple GPUs."]
-    assert picker.validate_serve_topology(4, 1, 3, 1, num_heads=28) == [
-        "GPU count must equal TP times Ulysses times Ring.",
-        "TP times Ulysses must divide the 28 DiT heads.",
-    ]
+def test_recipe_findings_are_warnings_with_the_pickers_words():
+    findings = picker.recipe_findings(
+        num_gpus=2, ring_degree=2, num_heads=12, attention_backend="sdpa_cudnn", hardware="h200", decode="serial"
+    )
+    assert findings[0] == picker.RECIPE_PREFIX + picker.ERR_SDPA_RING
+    assert picker.WARN_SCOPE in findings and picker.WARN_EXTRAPOLATED_HW in findings
+    multi = picker.recipe_findings(num_gpus=16, ulysses_degree=4, ring_degree=4, nodes=2, num_heads=28, hardware="h200")
+    assert [f for f in multi if f.startswith(picker.RECIPE_PREFIX)] == [picker.RECIPE_PREFIX + picker.ERR_NODES]
+    assert picker.recipe_findings(num_gpus=4, ulysses_degree=4, num_heads=28, hardware="gb300", decode="tiles") == [
+        picker.WARN_SCOPE, picker.WARN_UNVERIFIED, picker.WARN_TILES]
+
+
+def test_picker_attention_names():
+    assert [picker.picker_attention(n) for n in (None, "auto", "platform", "fa", "flash_attn")] == [
+        "platform", "platform", "platform", "fa", "fa"]
+    assert {picker.picker_attention(n) for n in ("sdpa_cudnn", "sdpa_math", "chunked_math", "torch_sdpa")} == {
+        "torch_sdpa"}
 
 
 def test_detect_hardware():

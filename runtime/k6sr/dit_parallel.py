@@ -158,16 +158,14 @@ def _dense_processors(transformer: nn.Module, backend: str | None) -> list[Any]:
 
 
 def _check_divisible(transformer: nn.Module, tp: int, ulysses: int) -> None:
+    """``TopologyError`` unless the DiT can be split TP x Ulysses ways (``topology.model_errors``)."""
+    from tilecast.runtime.topology import TopologyError, model_errors
+
     config = transformer.config
-    head_dim = sum(config.axes_dims)
-    num_heads = config.model_dim // head_dim
-    if num_heads % (tp * ulysses):
-        raise ValueError(
-            f"TP degree {tp} x Ulysses degree {ulysses} = {tp * ulysses} must divide the model's {num_heads} "
-            "attention heads"
-        )
-    if config.ff_dim % tp:
-        raise ValueError(f"TP degree {tp} must divide ff_dim={config.ff_dim}")
+    num_heads = config.model_dim // sum(config.axes_dims)
+    errors = model_errors(tp_size=tp, ulysses_degree=ulysses, num_heads=num_heads, ff_dim=config.ff_dim)
+    if errors:
+        raise TopologyError(errors)
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
