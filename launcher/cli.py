@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Optional
 
 import typer
@@ -26,6 +27,25 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 logger = logging.getLogger(__name__)
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"tilecast {version('tilecast')}")
+        except PackageNotFoundError:  # a checkout that was never installed
+            from tilecast import __version__
+
+            typer.echo(f"tilecast {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print tilecast's version and exit.")] = False,
+) -> None:
+    """Serve and run diffusion models on torchrun ranks."""
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -62,46 +82,22 @@ def _run_ranks(config: ServeConfig, entry) -> int:
     return launch(config.num_gpus, sys.argv[1:])
 
 
-@app.command()
-@O.with_shared_options
-def serve(
-    shared: dict,
-    allowed_video_dir: O.AllowedVideoDir = None,
-    host: Annotated[str, typer.Option("--host", help="Interface to bind (127.0.0.1 unless asked).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Scheduler port (ZeroMQ ROUTER).")] = 30010,
-    batching_mode: Annotated[str, typer.Option("--batching-mode", help="off | dynamic.")] = "off",
-    batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch (1: none).")] = 1,
-    batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms", help="Head-of-queue wait for companions.")] = 5.0,
-    batching_config: Annotated[Optional[Path], typer.Option("--batching-config", help="JSON batching rules.")] = None,
-    enable_batching_metrics: Annotated[bool, typer.Option("--enable-batching-metrics", help="Log dispatch and stats lines.")] = False,
-    max_queued_requests: Annotated[int, typer.Option("--max-queued-requests", help="Queue bound (overflow is refused).")] = 256,
-    max_message_mb: Annotated[float, typer.Option("--max-message-mb", help="Largest accepted message (ZMQ_MAXMSGSIZE).")] = 512.0,
-    output_dir: Annotated[Path, typer.Option("--output-dir", help="Where result files are written.")] = Path("outputs"),
-    http_port: Annotated[Optional[int], typer.Option("--http-port", help="Serve the OpenAI-style HTTP API on this port (off unless given; 0: any free port).")] = None,
-    http_host: Annotated[str, typer.Option("--http-host", help="Interface the HTTP API binds (127.0.0.1 unless asked).")] = "127.0.0.1",
-    max_upload_mb: Annotated[float, typer.Option("--max-upload-mb", help="Largest HTTP request body; bigger ones get 413 before they are read.")] = 512.0,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TILECAST_API_KEY", show_envvar=True, help="Shared secret clients must present (HTTP Bearer; ZeroMQ CURVE).")] = None,
-    allow_unauthenticated: Annotated[bool, typer.Option("--allow-unauthenticated", help="Allow a non-loopback --host/--http-host without --api-key.")] = False,
-    ready_file: Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoints here (JSON) once serving.")] = None,
-    output_retention_s: Annotated[Optional[float], typer.Option("--output-retention-s", help="Delete a finished job's files after this many seconds.")] = None,
-    max_stored_outputs: Annotated[int, typer.Option("--max-stored-outputs", help="Keep the files of at most this many finished jobs.")] = 10_000,
-    max_queued_upload_mb: Annotated[float, typer.Option("--max-queued-upload-mb", help="Total uploads held by queued jobs; beyond it submits are refused (503).")] = 2048.0,
-) -> None:
+ConfigFile = Annotated[Optional[Path], typer.Option(
+    O.CONFIG_FLAG, help="TOML or JSON file of settings (keys: the field names); flags override it.",
+    dir_okay=False,
+)]
+
+
+@app.command(cls=O.SettingsCommand)
+@O.with_settings("serve")
+def serve(ctx: typer.Context, settings: dict, config_file: ConfigFile = None) -> None:
     """Serve a model: rank-0 ZeroMQ scheduler, all ranks computing."""
     try:
-        config = O.common_config(
-            **shared, allowed_video_dir=allowed_video_dir, output_dir=output_dir, host=host, port=port,
-            batching_mode=batching_mode, batching_max_size=batching_max_size, batching_delay_ms=batching_delay_ms,
-            batching_config=batching_config, enable_batching_metrics=enable_batching_metrics,
-            max_queued_requests=max_queued_requests, max_message_mb=max_message_mb, http_port=http_port,
-            http_host=http_host, max_upload_mb=max_upload_mb, api_key=api_key,
-            allow_unauthenticated=allow_unauthenticated, ready_file=ready_file, output_retention_s=output_retention_s,
-            max_stored_outputs=max_stored_outputs, max_queued_upload_mb=max_queued_upload_mb,
-        )
-        if batching_config is not None:
+        config = O.build_config(O.settings_values(settings, config_file, "serve"))
+        if config.batching_config is not None:
             from tilecast.scheduler.batching_rules import BatchingRules
 
-            BatchingRules.load(batching_config)  # a bad rules file stops start-up here, before any rank starts
+            BatchingRules.load(config.batching_config)  # a bad rules file stops start-up here, before any rank starts
         validate_topology(config)
     except ValueError as exc:
         _fail(str(exc))
@@ -114,10 +110,12 @@ def serve(
     raise typer.Exit(_run_ranks(config, entry))
 
 
-@app.command()
-@O.with_shared_options
+@app.command(cls=O.SettingsCommand)
+@O.with_settings("generate")
 def generate(
-    shared: dict,
+    ctx: typer.Context,
+    settings: dict,
+    config_file: ConfigFile = None,
     video_path: Annotated[Optional[Path], typer.Option("--video-path", help="Source video (SR).")] = None,
     sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
     sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
@@ -151,9 +149,10 @@ def generate(
     if video_path is not None and not video_path.is_file():
         _fail(f"--video-path {video_path} is not a file")
     try:
-        config = O.common_config(
-            **shared, allowed_video_dir=[video_path.resolve().parent] if video_path else None, output_dir=output_path,
-        )
+        values = O.settings_values(settings, config_file, "generate")
+        values |= {"output_dir": output_path,
+                   "allowed_video_dirs": (video_path.resolve().parent,) if video_path else ()}
+        config = O.build_config(values)
         validate_topology(config)
     except ValueError as exc:
         _fail(str(exc))

@@ -1,4 +1,14 @@
-"""Flags shared by ``serve`` and ``generate`` (SGLang's names), and their mapping onto ``ServeConfig``."""
+"""The flags of ``serve`` and ``generate``, generated from the one declaration (``ServeConfig``).
+
+``with_settings(command)`` gives a typer command an option for every declared field the command
+takes (``generate`` leaves out the serve-only sections; flag names are SGLang's), with help,
+metavar and environment variable from the declaration, and hands it the flags actually given.
+``SettingsCommand`` lets a ``true|false`` flag stand bare and lists ``--help`` by section.
+``settings_values`` lays those flags over the ``--config`` file; ``build_config`` turns the
+result into the validated ``ServeConfig``, picking the parallel layout when no degree is given.
+
+No torch at import: ``tilecast --help`` and ``serve --help`` stay fast.
+"""
 
 from __future__ import annotations
 
@@ -8,70 +18,177 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand
 
-from tilecast.runtime.config import ServeConfig, VaeConfig
+from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.settings import (
+    SECTIONS, SERVE_ONLY_SECTIONS, Declared, declared, nest, read_settings_file,
+)
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
+CONFIG_FLAG = "--config"
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def parse_bool(value: str | bool, flag: str) -> bool:
+    """A ``true|false`` flag's text (also 1/0, yes/no, on/off); ``ValueError`` names the flag."""
     if isinstance(value, bool):
         return value
     lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise typer.BadParameter(f"{flag} takes true or false, got {value!r}")
+    if lowered in _TRUE or lowered in _FALSE:
+        return lowered in _TRUE
+    raise ValueError(f"{flag} takes true or false, got {value!r}")
 
 
-ModelPath = Annotated[str, typer.Option("--model-path", help="Built-in model (tiny/k6sr, ...) or a local diffusers directory.")]
-ModelId = Annotated[Optional[str], typer.Option("--model-id", help="Model id that routes a renamed checkpoint directory.")]
-NumGpus = Annotated[int, typer.Option("--num-gpus", help="Number of ranks (GPUs, or CPU processes with --device cpu).")]
-TpSize = Annotated[Optional[int], typer.Option("--tp-size", help="Tensor-parallel degree (default 1).")]
-UlyssesDegree = Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree (default: picked from the GPU count and heads).")]
-RingDegree = Annotated[Optional[int], typer.Option("--ring-degree", help="Ring degree (default: picked from the GPU count and heads).")]
-Device = Annotated[str, typer.Option("--device", help="cuda or cpu.")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU).")]
-AttentionBackend = Annotated[Optional[str], typer.Option("--attention-backend", help="Attention backend (default: fastest correct one).")]
-ParallelTiling = Annotated[str, typer.Option("--vae-config.use-parallel-tiling", help="Whole-tile parallel decode: true|false.")]
-ParallelDecode = Annotated[str, typer.Option("--vae-config.use-parallel-decode", help="Spatial-shard decode: true|false.")]
-ParallelDecodeMode = Annotated[str, typer.Option("--vae-config.parallel-decode-mode", help="spatial_shard.")]
-FastDecode = Annotated[str, typer.Option("--vae-config.fast-decode", help="tilecast's channels-last VAE decode (true) or diffusers' own (false).")]
-AllowedVideoDir = Annotated[Optional[list[Path]], typer.Option("--allowed-video-dir", help="Directory whose files requests may name as video_path (repeatable).")]
-HeartbeatTimeout = Annotated[float, typer.Option("--heartbeat-timeout-s", help="A silent rank is dead after this many seconds.")]
-StuckTimeout = Annotated[float, typer.Option("--stuck-timeout-s", help="A busy rank without progress is stuck after this many seconds.")]
-Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the DiT blocks (the first request pays the compile time).")]
-Quantize = Annotated[Optional[str], typer.Option("--quantize", help="fp8: FP8 linear layers in the DiT blocks (FLUX; faster, output moves by a few percent).")]
-CudaGraphs = Annotated[bool, typer.Option("--cuda-graphs", help="Replay the DiT's forward as CUDA graphs, one per batch shape (FLUX, CUDA).")]
-TileParallel = Annotated[bool, typer.Option("--tile-parallel", help="Deal whole tile chunks to data-parallel groups for the DiT too (same output).")]
-LayerwiseOffload = Annotated[Optional[str], typer.Option("--layerwise-offload-components", help="Stream these components' blocks from host memory: all, or transformer/vae/latent_upscaler (space or comma separated).")]
-CpuOffload = Annotated[Optional[str], typer.Option("--cpu-offload-components", help="Move these components to the device whole around their use: all, or transformer/vae/latent_upscaler.")]
-DitPrefetch = Annotated[int, typer.Option("--dit-offload-prefetch-size", help="DiT blocks prefetched ahead while streaming the DiT (1-4).")]
-DitResidentLayers = Annotated[int, typer.Option("--dit-layerwise-resident-layers", help="Leading DiT blocks kept on the device while streaming the DiT (0-8).")]
-UseFsdp = Annotated[str, typer.Option("--use-fsdp-inference", help="Shard the DiT's weights across the ranks with FSDP2: true|false (2+ GPUs).")]
-LogLevel = Annotated[str, typer.Option("--log-level", help="Rank 0 log level.")]
+def command_fields(command: str) -> tuple[Declared, ...]:
+    """The declared fields ``command`` (``serve`` or ``generate``) takes as flags."""
+    return tuple(item for item in declared(ServeConfig)
+                 if command == "serve" or item.section not in SERVE_ONLY_SECTIONS)
 
 
-def _shared(
-    model_path: ModelPath = "tiny/k6sr", model_id: ModelId = None, num_gpus: NumGpus = 1, tp_size: TpSize = None,
-    ulysses_degree: UlyssesDegree = None, ring_degree: RingDegree = None, device: Device = "cuda",
-    dtype: Dtype = None, attention_backend: AttentionBackend = None, parallel_tiling: ParallelTiling = "false",
-    parallel_decode: ParallelDecode = "false", parallel_decode_mode: ParallelDecodeMode = "spatial_shard",
-    fast_decode: FastDecode = "true", heartbeat_timeout_s: HeartbeatTimeout = 10.0,
-    stuck_timeout_s: StuckTimeout = 300.0, layerwise_offload_components: LayerwiseOffload = None,
-    cpu_offload_components: CpuOffload = None, dit_offload_prefetch_size: DitPrefetch = 1,
-    dit_layerwise_resident_layers: DitResidentLayers = 0, use_fsdp_inference: UseFsdp = "false",
-    tile_parallel: TileParallel = False, compile_dit: Compile = False, quantize: Quantize = None,
-    cuda_graphs: CudaGraphs = False,
-) -> None:
-    """Declares the options ``serve`` and ``generate`` share, with their defaults (``with_shared_options``)."""
+def _param_name(item: Declared) -> str:
+    return "setting__" + "__".join(item.path)
+
+
+def _help(item: Declared) -> str:
+    parts = [item.help]
+    if item.setting.picked:
+        parts.append("[default: picked from the GPU count and heads]")
+    elif item.kind is bool:
+        parts.append(f"[default: {str(item.default).lower()}]")
+    elif item.default not in (None, ()):
+        parts.append(f"[default: {item.default}]")
+    return " ".join(parts)
+
+
+def _parameter(item: Declared) -> inspect.Parameter:
+    """The typer parameter of one declared field (default None: "not given")."""
+    facts = item.setting
+    extra: dict[str, Any] = {}
+    kind: Any = item.kind
+    if item.kind is bool:
+        kind, extra = str, {"metavar": "[true|false]"}  # parse_bool in settings_values
+    else:
+        extra["metavar"] = "|".join(facts.choices) if facts.choices else (facts.metavar or item.kind.__name__.upper())
+    if facts.envvar:
+        extra |= {"envvar": facts.envvar, "show_envvar": True}
+    annotation = Annotated[Optional[list[kind] if item.multiple else kind],
+                           typer.Option(item.flag, help=_help(item), show_default=False, **extra)]
+    return inspect.Parameter(_param_name(item), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+
+
+def with_settings(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a typer command (taking ``ctx: typer.Context``) a flag for every declared field
+    ``command`` takes; it receives the flags actually given (command line or environment) as
+    one dict of dotted names, its parameter ``settings``."""
+    fields = command_fields(command)
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(function, eval_str=True).parameters.values() if p.name != "settings"]
+
+        @functools.wraps(function)
+        def run(**kwargs):
+            ctx = kwargs["ctx"]
+            given = {}
+            for item in fields:
+                value = kwargs.pop(_param_name(item))
+                if ctx.get_parameter_source(_param_name(item)).name in ("COMMANDLINE", "ENVIRONMENT"):
+                    given[item.name] = tuple(value) if item.multiple else value
+            return function(settings=given, **kwargs)
+
+        parameters = [*own, *(_parameter(item) for item in fields)]
+        run.__signature__ = inspect.Signature(parameters)
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        del run.__wrapped__  # typer must see the generated signature
+        return run
+
+    return decorate
+
+
+class SettingsCommand(TyperCommand):
+    """``serve``/``generate``: a ``true|false`` flag given bare means true, and ``--help``
+    lists the flags by section in plain text (long flag names are never truncated)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        switches = {item.flag for item in declared(ServeConfig) if item.kind is bool}
+        expanded: list[str] = []
+        for index, arg in enumerate(args):
+            expanded.append(arg)
+            if arg == "--":
+                expanded += args[index + 1:]
+                break
+            following = args[index + 1] if index + 1 < len(args) else None
+            if arg in switches and (following is None or following.startswith("-")):
+                expanded.append("true")
+        return super().parse_args(ctx, expanded)
+
+    def format_help(self, ctx, formatter) -> None:
+        self.format_usage(ctx, formatter)
+        self.format_help_text(ctx, formatter)
+        self.format_options(ctx, formatter)
+
+    def format_options(self, ctx, formatter) -> None:
+        sections = {_param_name(item): SECTIONS[item.section] for item in declared(ServeConfig)}
+        groups: dict[str, list] = {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(sections.get(param.name, "Options"), []).append(record)
+        for title in ("Options", *SECTIONS.values()):
+            if groups.get(title):
+                with formatter.section(title):
+                    formatter.write_dl(groups[title], col_max=34)
+
+
+def settings_values(given: dict[str, Any], config_file: Path | None, command: str) -> dict[str, Any]:
+    """Keyword arguments of ``ServeConfig``: the ``--config`` file's, overridden by the flags
+    ``given`` (``with_settings``)."""
+    allowed = {item.name for item in command_fields(command)}
+    values = read_settings_file(config_file, ServeConfig, allowed=allowed) if config_file else {}
+    kinds = {item.name: item for item in command_fields(command)}
+    given = {name: parse_bool(value, kinds[name].flag) if kinds[name].kind is bool else value
+             for name, value in given.items()}
+    for name, value in nest(given).items():
+        if isinstance(value, dict):
+            values[name] = {**values.get(name, {}), **value}
+        else:
+            values[name] = value
+    return values
+
+
+def model_num_heads(model_path: str) -> int | None:
+    """The DiT's attention heads (None for a built-in without a DiT, such as the test pipelines)."""
+    from tilecast.runtime.registry import BUILTIN_MODELS
+    from tilecast.runtime.topology import num_heads_from_checkpoint
+
+    if model_path.startswith("test/") and model_path in BUILTIN_MODELS:
+        return None
+    return num_heads_from_checkpoint(model_path)
+
+
+def build_config(values: dict[str, Any]) -> ServeConfig:
+    """The validated ``ServeConfig`` of ``values``; ``ValueError`` names the bad value.
+
+    With none of the three degrees given, the layout is picked: the largest Ulysses degree that
+    divides both the GPU count and the model's heads, the rest in Ring."""
+    values = dict(values)
+    degrees = ("tp_size", "ulysses_degree", "ring_degree")
+    if not any(name in values for name in degrees):
+        from tilecast.runtime.picker import suggest_topology
+
+        num_gpus = values.get("num_gpus", 1)
+        num_heads = model_num_heads(values.get("model_path", "tiny/k6sr"))
+        layout = suggest_topology(num_gpus, num_heads=num_heads or 0) if isinstance(num_gpus, int) and num_gpus >= 1 else None
+        if layout is not None:
+            values |= {"tp_size": 1, "ulysses_degree": layout.ulysses_degree, "ring_degree": layout.ring_degree}
+    return ServeConfig(**values)
 
 
 def shared_options(template: Callable[..., None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A decorator giving typer commands the options declared by ``template``'s signature, before
-    their own; a decorated command takes them as one dict, its parameter ``shared``."""
+    their own; a decorated command takes them as one dict, its parameter ``shared``.
+    (``tilecast topology check|plan`` share their selection flags this way.)"""
     shared = list(inspect.signature(template, eval_str=True).parameters.values())
     names = [p.name for p in shared]
 
@@ -90,55 +207,3 @@ def shared_options(template: Callable[..., None]) -> Callable[[Callable[..., Any
 
     return decorate
 
-
-with_shared_options = shared_options(_shared)
-"""``serve``'s and ``generate``'s common options (``common_config(**shared, ...)`` takes them)."""
-
-
-def model_num_heads(model_path: str) -> int | None:
-    """The DiT's attention heads (None for a built-in without a DiT, such as the test pipelines)."""
-    from tilecast.runtime.registry import BUILTIN_MODELS
-    from tilecast.runtime.topology import num_heads_from_checkpoint
-
-    if model_path.startswith("test/") and model_path in BUILTIN_MODELS:
-        return None
-    return num_heads_from_checkpoint(model_path)
-
-
-def common_config(
-    *, model_path: str, model_id: str | None, num_gpus: int, tp_size: int, ulysses_degree: int, ring_degree: int,
-    device: str, dtype: str | None, attention_backend: str | None, parallel_tiling: str, parallel_decode: str,
-    parallel_decode_mode: str, fast_decode: str = "true", allowed_video_dir: list[Path] | None, heartbeat_timeout_s: float,
-    stuck_timeout_s: float, output_dir: Path, layerwise_offload_components: str | None = None,
-    cpu_offload_components: str | None = None, dit_offload_prefetch_size: int = 1,
-    dit_layerwise_resident_layers: int = 0, use_fsdp_inference: str | bool = False, tile_parallel: bool = False,
-    compile_dit: bool = False, quantize: str | None = None, cuda_graphs: bool = False, **extra,
-) -> ServeConfig:
-    """Build the validated config; ``ValueError`` (shown as a usage error) names the bad value.
-
-    With none of the three degrees given, the layout is picked: the largest Ulysses degree that
-    divides both the GPU count and the model's heads, the rest in Ring."""
-    num_heads = model_num_heads(model_path)
-    if tp_size is None and ulysses_degree is None and ring_degree is None:
-        from tilecast.runtime.picker import suggest_topology
-
-        layout = suggest_topology(num_gpus, num_heads=num_heads or 0) if num_gpus >= 1 else None
-        tp_size, ulysses_degree, ring_degree = (1, layout.ulysses_degree, layout.ring_degree) if layout else (1, 1, 1)
-    tp_size, ulysses_degree, ring_degree = tp_size or 1, ulysses_degree or 1, ring_degree or 1
-    vae = VaeConfig(
-        use_parallel_tiling=parse_bool(parallel_tiling, "--vae-config.use-parallel-tiling"),
-        use_parallel_decode=parse_bool(parallel_decode, "--vae-config.use-parallel-decode"),
-        parallel_decode_mode=parallel_decode_mode,
-        fast_decode=parse_bool(fast_decode, "--vae-config.fast-decode"),
-    )
-    return ServeConfig(
-        model_path=model_path, model_id=model_id, num_gpus=num_gpus, tp_size=tp_size,
-        ulysses_degree=ulysses_degree, ring_degree=ring_degree, device=device, dtype=dtype,
-        attention_backend=attention_backend, vae=vae,
-        allowed_video_dirs=tuple(p.resolve() for p in (allowed_video_dir or [])),
-        heartbeat_timeout_s=heartbeat_timeout_s, stuck_timeout_s=stuck_timeout_s, output_dir=output_dir,
-        layerwise_offload_components=layerwise_offload_components, cpu_offload_components=cpu_offload_components,
-        dit_offload_prefetch_size=dit_offload_prefetch_size, dit_layerwise_resident_layers=dit_layerwise_resident_layers,
-        use_fsdp_inference=parse_bool(use_fsdp_inference, "--use-fsdp-inference"), tile_parallel=tile_parallel,
-        compile=compile_dit, quantize=quantize, cuda_graphs=cuda_graphs, **extra,
-    )

@@ -19,26 +19,17 @@ import zmq
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import broadcast_bytes, shutdown_ranks
 from tilecast.runtime.pipeline import PlanHooks
+from tilecast.runtime.settings import describe
 from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
-from tilecast.runtime.watchdog import HeartbeatSender, Watchdog, WatchdogConfig
+from tilecast.runtime.watchdog import HeartbeatSender, Watchdog
 from tilecast.runtime.worker import compute_loop, queue_source
 from tilecast.scheduler.auth import ServerAuth
-from tilecast.scheduler.batching import BatchingConfig
-from tilecast.scheduler.batching_rules import BatchingRules
 from tilecast.scheduler.io_thread import SocketThread
 from tilecast.scheduler.outputs import OutputStore
 from tilecast.scheduler.ready import ReadyInfo, remove_ready_file, write_ready_file
 from tilecast.scheduler.scheduler import DEAD, Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-def batching_config(config: ServeConfig) -> BatchingConfig:
-    rules = BatchingRules.load(config.batching_config) if config.batching_config else None
-    return BatchingConfig(
-        mode=config.batching_mode, max_size=config.batching_max_size, delay_ms=config.batching_delay_ms,
-        rules=rules, enable_metrics=config.enable_batching_metrics,
-    )
 
 
 class RankZero:
@@ -50,7 +41,7 @@ class RankZero:
         self.exit_process = exit_process
         max_message_bytes = int(config.max_message_mb * 2**20)
         self.scheduler = Scheduler(
-            pipeline=rt.pipeline, send=self._send, batching=batching_config(config),
+            pipeline=rt.pipeline, send=self._send, batching=config.batching,
             max_queued=config.max_queued_requests, world_size=rt.ranks.world_size,
             outputs=OutputStore(config.output_dir, retention_s=config.output_retention_s,
                                 max_stored=config.max_stored_outputs),
@@ -64,8 +55,7 @@ class RankZero:
         )
         self.watchdog = Watchdog(
             world_size=rt.ranks.world_size, beat=rt.beat,
-            config=WatchdogConfig(heartbeat_timeout_s=config.heartbeat_timeout_s,
-                                  stuck_timeout_s=config.stuck_timeout_s),
+            config=config.watchdog,
             on_fatal=self.fail,
         )
         self.http = None
@@ -177,6 +167,8 @@ def serve(config: ServeConfig) -> int:
 
     SignalWatcher.install(on_signal)
     configure_logging(int(os.environ.get("RANK", "0")))
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info("effective settings:\n%s", describe(config))
     rt = start_rank(config)
     ranks = rt.ranks
     if ranks.rank == 0:
@@ -203,7 +195,7 @@ def serve(config: ServeConfig) -> int:
         logger.info("tilecast stopped")
     else:
         endpoint = broadcast_bytes(None, ranks).decode()
-        sender = HeartbeatSender(endpoint, ranks.rank, rt.beat, WatchdogConfig().heartbeat_interval_s)
+        sender = HeartbeatSender(endpoint, ranks.rank, rt.beat, config.watchdog.heartbeat_interval_s)
         sender.start()
         try:
             compute_loop(ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat, next_plan=None, on_done=None)

@@ -53,7 +53,8 @@ _RULE_CACHE_SIZE = 1024
 
 @dataclasses.dataclass(kw_only=True)
 class BatchingConfig:
-    """Dynamic batching settings (``--batching-*`` flags)."""
+    """Dynamic batching settings as the batcher takes them: a view of ``ServeConfig``'s batching
+    section (``ServeConfig.batching`` builds it; the flags and their help are declared there)."""
 
     mode: str = "off"
     """``--batching-mode``: ``"off"`` (every request alone) or ``"dynamic"``."""

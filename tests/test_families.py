@@ -7,6 +7,7 @@ Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6): batch shape may change kernels, the seeds do
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -211,7 +212,7 @@ def test_settings_the_families_do_not_read_are_named_as_ignored():
     # Every server option is covered, not a hand-kept list: a setting added later is caught too.
     config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, dtype="bfloat16",
                          allowed_video_dirs=("/data",), quantize="fp8")
-    config.vae.fast_decode = False
+    config = dataclasses.replace(config, vae=dataclasses.replace(config.vae, fast_decode=False))
     assert ignored_settings(config.pipeline_options(), honoured) == [
         "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false",
         "--quantize fp8",
