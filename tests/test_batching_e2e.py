@@ -165,7 +165,7 @@ def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_batching_bench_reports_both_servers(tiny_cache, capsys):
-    from tilecast.runtime.families.bench_batching import run_batching_bench
+    from tilecast.launcher.bench.batching import run_batching_bench
 
     TINY_FLUX.ensure(tiny_cache)
     report = run_batching_bench(

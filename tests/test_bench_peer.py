@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tilecast.launcher import cli
-from tilecast.runtime.families.bench_peer import measure_diffusers_peer
+from tilecast.launcher.bench.peer import measure_diffusers_peer
 from tilecast.runtime.families.flux import TINY_FLUX
 
 TINY_FIELDS = dict(width=32, height=32, num_inference_steps=1)
@@ -74,7 +74,7 @@ def test_bench_with_diffusers_peer_reports_every_row_and_ratio(tiny_cache, tmp_p
 
 
 def test_compile_is_passed_to_both_servers(monkeypatch):
-    from tilecast.runtime.families import bench_batching
+    from tilecast.launcher.bench import batching as bench_batching
 
     seen = {}
 

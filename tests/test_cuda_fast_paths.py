@@ -59,7 +59,7 @@ def _parts(dtype, backend=None, compile_blocks=False, fast_decode=True):
 
 
 def _upscale(parts):
-    from tilecast.runtime.k6sr.bench import pattern_video
+    from tilecast.launcher.bench.k6sr import pattern_video
     from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, upscale_video
 
     video = frames_to_video(torch.from_numpy(pattern_video(128, 64, 9)), parts.device)
@@ -85,7 +85,7 @@ def _psnr(out, reference):
 
 
 def _diffusers(dtype):
-    from tilecast.runtime.k6sr.bench import DenseSDPAProcessor, pattern_video, run_diffusers, set_processors
+    from tilecast.launcher.bench.k6sr import DenseSDPAProcessor, pattern_video, run_diffusers, set_processors
 
     parts = _parts(dtype, fast_decode=False)
     set_processors(parts.transformer, DenseSDPAProcessor)
@@ -154,7 +154,7 @@ def test_channels_last_decode_matches_diffusers():
 
 def _flux_step(dtype, fast: bool, compile_blocks: bool = False, quantize: str | None = None):
     """One step of tiny/flux's transformer on the GPU, diffusers' own or with tilecast's fast paths."""
-    from tilecast.runtime.families.bench_step import step_inputs
+    from tilecast.launcher.bench.step import step_inputs
     from tilecast.runtime.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
@@ -169,7 +169,7 @@ def _flux_step(dtype, fast: bool, compile_blocks: bool = False, quantize: str | 
 def test_flux_fast_paths_match_diffusers(compile_blocks):
     """fp32: within 5e-3 relative to the output's scale; bf16 (cuDNN attention there): PSNR against
     diffusers' fp32 at most 1 dB below diffusers' own bf16."""
-    from tilecast.runtime.families.bench_step import psnr_db
+    from tilecast.launcher.bench.report import psnr_db
 
     reference = _flux_step(torch.float32, fast=False)
     ours = _flux_step(torch.float32, fast=True, compile_blocks=compile_blocks)
@@ -182,7 +182,7 @@ def test_flux_fast_paths_match_diffusers(compile_blocks):
 
 
 def test_flux_compiled_vae_decoder_matches_eager():
-    from tilecast.runtime.families.bench_step import psnr_db
+    from tilecast.launcher.bench.report import psnr_db
     from tilecast.runtime.families.flux import FluxT2IPipeline
 
     def decode(dtype, compiled):
@@ -203,7 +203,7 @@ def test_flux_compiled_vae_decoder_matches_eager():
 
 @pytest.mark.parametrize("compile_blocks", [False, True])
 def test_flux_fp8_step_stays_within_its_tolerance(compile_blocks):
-    from tilecast.runtime.families.bench_step import psnr_db
+    from tilecast.launcher.bench.report import psnr_db
 
     reference = _flux_step(torch.float32, fast=False)
     fp8_fp32 = _flux_step(torch.float32, fast=True, compile_blocks=compile_blocks, quantize="fp8")

@@ -87,7 +87,7 @@ def test_flux_honours_backend_and_compile_and_names_the_rest_as_ignored():
 
 
 def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):
-    from tilecast.runtime.families.bench_step import run_step_bench
+    from tilecast.launcher.bench.step import run_step_bench
 
     rows = run_step_bench("tiny/flux", width=32, height=48, batch_sizes=[1, 3], device="cpu", dtype="float32",
                           compile_blocks=False, attention_backend="sdpa_math", warmup=1, iters=2)

@@ -72,7 +72,7 @@ def test_fp8_needs_fp8_tensor_cores_on_cuda(monkeypatch):
 
 # ------------------------------------------------------------------------------------ FLUX
 def _flux_step(quantize: str | None) -> tuple[torch.Tensor, object]:
-    from tilecast.runtime.families.bench_step import step_inputs
+    from tilecast.launcher.bench.step import step_inputs
     from tilecast.runtime.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cpu"), torch.float32)
@@ -83,7 +83,7 @@ def _flux_step(quantize: str | None) -> tuple[torch.Tensor, object]:
 
 
 def test_flux_fp8_quantizes_the_block_projections_and_keeps_the_step_close(tiny_cache):
-    from tilecast.runtime.families.bench_step import psnr_db
+    from tilecast.launcher.bench.report import psnr_db
 
     reference, _ = _flux_step(None)
     out, transformer = _flux_step("fp8")
@@ -125,7 +125,7 @@ def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
 
 
 def test_bench_step_reports_the_fp8_difference(tiny_cache):
-    from tilecast.runtime.families.bench_step import run_step_bench
+    from tilecast.launcher.bench.step import run_step_bench
 
     (row,) = run_step_bench("tiny/flux", width=32, height=32, batch_sizes=[2], device="cpu", dtype="float32",
                             compile_blocks=False, quantize="fp8", warmup=1, iters=1)

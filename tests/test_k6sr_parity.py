@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.media import pattern_frames
-from tilecast.runtime.k6sr.bench import DenseSDPAProcessor
+from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
 from tilecast.runtime.k6sr.params import SRParams
 from tilecast.runtime.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tilecast.runtime.k6sr import params as P
-from tilecast.runtime.k6sr.bench import DenseSDPAProcessor
+from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
 from tilecast.runtime.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
 from tilecast.runtime.k6sr.video_io import MAX_FRAMES, select_frames
 

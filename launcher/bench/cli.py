@@ -1,58 +1,61 @@
-"""``tilecast bench``: benchmarks (not tests), each comparing with its peer in the same run."""
+"""``tilecast bench``: benchmarks (not tests), each comparing with its peer in the same run.
+
+The commands only parse flags; each benchmark lives in its own module of this package
+(``k6sr``, ``attention``, ``step``, ``batching`` with ``peer``, ``placement``), imported when its
+command runs, so mounting ``bench_app`` imports no torch. Tables and ``--json-out`` go through
+``report``.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
+
+from tilecast.launcher.bench.placement import COLUMNS as PLACEMENT_COLUMNS
+from tilecast.launcher.bench.placement import CONFIGS as PLACEMENTS
+from tilecast.launcher.bench.report import print_table, save_json
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against their peers, ratios in one run.")
-console = Console(width=max(160, Console().width))
 
-
-def _save(rows: list[dict], path: Optional[Path]) -> None:
-    if path is not None:
-        path.write_text(json.dumps(rows, indent=2))
-        console.print(f"saved {path}")
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.2e}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
-    return "" if value is None else str(value)
+K6SR_WORKLOADS = "small (384x256x33) | large (768x512x121), x2."
+"""Help text of ``--workload`` (``k6sr.WORKLOADS``)."""
 
 
 def _print_rows(rows: list[dict], columns: list[str], title: str, json_out: Optional[Path]) -> None:
     """Print ``rows`` as a table of ``columns``, then save them as JSON when asked."""
-    table = Table(*columns, title=title)
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c)) for c in columns))
-    console.print(table)
-    _save(rows, json_out)
+    print_table(rows, columns, title)
+    save_json(rows, json_out)
+
+
+def _check_workloads(workload: list[str]) -> None:
+    from tilecast.launcher.bench.k6sr import WORKLOADS
+
+    for name in workload:
+        if name not in WORKLOADS:
+            raise typer.BadParameter(f"--workload {name!r}: choose from {', '.join(WORKLOADS)}")
 
 
 @bench_app.command("k6sr")
 def k6sr(
-    workload: Annotated[list[str], typer.Option("--workload", help="small (384x256x33) | large (768x512x121), x2.")] = ["small"],  # noqa: B006
+    workload: Annotated[list[str], typer.Option("--workload", help=K6SR_WORKLOADS)] = ["small"],  # noqa: B006
     peer: Annotated[str, typer.Option("--peer", help="diffusers | none.")] = "diffusers",
     repeats: Annotated[int, typer.Option("--repeats", help="Timed requests after one warm-up.")] = 1,
     compile_blocks: Annotated[bool, typer.Option("--compile", help="torch.compile tilecast's DiT blocks (compile time is in the warm-up).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
 ) -> None:
     """Released-size Kandinsky 6 SR (random weights): tilecast vs diffusers' pipeline, per stage."""
-    from tilecast.runtime.k6sr.bench import STAGES, WORKLOADS, bench_k6sr
+    from tilecast.launcher.bench.k6sr import STAGES, bench_k6sr
 
-    for name in workload:
-        if name not in WORKLOADS:
-            raise typer.BadParameter(f"--workload {name!r}: choose from {', '.join(WORKLOADS)}")
+    _check_workloads(workload)
     if peer not in ("diffusers", "none"):
         raise typer.BadParameter(f"--peer {peer!r}: choose diffusers or none")
-    rows = bench_k6sr(list(workload), peer=None if peer == "none" else peer, repeats=repeats,
-                      compile_blocks=compile_blocks)
+    try:  # a ValueError names the bad option (or the missing GPU)
+        rows = bench_k6sr(list(workload), peer=None if peer == "none" else peer, repeats=repeats,
+                          compile_blocks=compile_blocks)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     columns = ["workload", "side", "e2e_s", *(f"{s}_s" for s in (*STAGES, "other")), "peak_reserved_gib",
                "ratio_vs_diffusers", "psnr_vs_diffusers_db"]
     _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)
@@ -66,20 +69,21 @@ def attention(
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """Forward TFLOP/s of every available attention backend (with log-sum-exp)."""
-    from tilecast.kernels.backends import resolve_backend
-    from tilecast.kernels.bench import H200_DENSE_BF16_TFLOPS, bench_attention
-
     import torch
 
-    rows = bench_attention(tuple(seq_len), tuple(head_dim), iters=iters)
-    table = Table("backend", "head_dim", "seq_len", "ms", "TFLOP/s", "of 989 peak", "note",
-                  title=f"attention forward, bf16 (peak {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s)")
-    for row in rows:
-        table.add_row(row["backend"], str(row["head_dim"]), str(row["seq_len"]), _fmt(row.get("ms")),
-                      _fmt(row.get("tflops")), _fmt(row.get("of_peak")), row.get("error", ""))
-    console.print(table)
-    console.print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
-    _save(rows, json_out)
+    from tilecast.kernels.backends import resolve_backend
+    from tilecast.launcher.bench.attention import H200_DENSE_BF16_TFLOPS, bench_attention
+
+    try:  # a ValueError names what is missing
+        rows = bench_attention(tuple(seq_len), tuple(head_dim), iters=iters)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    print_table(rows, ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "error"],
+                f"attention forward, bf16 (peak {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s)",
+                headers=["backend", "head_dim", "seq_len", "ms", "TFLOP/s", f"of {H200_DENSE_BF16_TFLOPS:.0f} peak",
+                         "note"])
+    print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
+    save_json(rows, json_out)
 
 
 @bench_app.command("step")
@@ -99,7 +103,7 @@ def step(
 ) -> None:
     """One FLUX denoising step: diffusers' eager transformer vs tilecast's fast paths, same model, one run."""
     from tilecast.runtime.config import DTYPES
-    from tilecast.runtime.families.bench_step import run_step_bench
+    from tilecast.launcher.bench.step import run_step_bench
 
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -136,7 +140,7 @@ def batching(
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, in one run."""
-    from tilecast.runtime.families.bench_batching import run_batching_bench
+    from tilecast.launcher.bench.batching import run_batching_bench
 
     try:  # a ValueError names the bad option
         result = run_batching_bench(
@@ -150,16 +154,22 @@ def batching(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=2, default=str))
+    save_json(result, json_out)
 
 
-def _mount_placement() -> None:
-    from tilecast.runtime.k6sr.bench_placement import placement_command
+@bench_app.command("placement")
+def placement(
+    workload: Annotated[list[str], typer.Option("--workload", help=K6SR_WORKLOADS)] = ["small"],  # noqa: B006
+    placement: Annotated[Optional[list[str]], typer.Option("--placement", help="Rows to run (default all): " + "; ".join(repr(name) for name in PLACEMENTS) + ".")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed requests after one warm-up.")] = 3,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
+) -> None:
+    """GPU: peak memory and hot time of each weight placement (released-size Kandinsky 6 SR)."""
+    from tilecast.launcher.bench.placement import bench_placement
 
-    bench_app.command("placement", help="GPU: peak memory and hot time of each weight placement (released size).")(
-        placement_command
-    )
-
-
-_mount_placement()
+    _check_workloads(workload)
+    try:  # a ValueError names the bad option
+        rows = bench_placement(list(workload), configs=list(placement or []), repeats=repeats)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _print_rows(rows, list(PLACEMENT_COLUMNS), "Kandinsky 6 SR x2 weight placement, one GPU", json_out)

@@ -12,6 +12,6 @@ built-in name          family          task    diffusers pipeline
 
 Shared request fields, the batch execution and the tiny-checkpoint machinery live in
 ``families.common``; offline tokenizers in ``families.tokenizers``; released-size random models
-(benchmarks) in ``families.released``; ``families.bench_batching`` measures singleton against
-dynamic-batched serving, ``families.bench_peer`` the same traffic on diffusers alone.
+(benchmarks) in ``families.released``. The benchmarks that serve them live in
+``tilecast.launcher.bench`` (``batching``, ``peer``, ``step``).
 """

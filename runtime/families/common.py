@@ -236,7 +236,7 @@ class DiffusersBatchPipeline(Pipeline):
     @classmethod
     def build_diffusers(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
         """The diffusers pipeline object on ``device`` in ``dtype``: what ``load`` wraps, and what
-        ``families.bench_peer`` calls directly (so both sides of a benchmark run the same networks)."""
+        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks)."""
         import diffusers
 
         path = cls.resolve_path(model_path)

@@ -1,7 +1,7 @@
 """``tilecast bench placement``: peak device memory and hot end-to-end time per weight placement.
 
-Released-size Kandinsky 6 SR networks (seeded random weights, bf16; ``bench.build_released``) on
-one GPU, x2 of ``bench.pattern_video``, through ``bench.run_tilecast``. Each placement gets freshly
+Released-size Kandinsky 6 SR networks (seeded random weights, bf16; ``k6sr.build_released``) on
+one GPU, x2 of ``k6sr.pattern_video``, through ``k6sr.run_tilecast``. Each placement gets freshly
 built networks (placement is one-way), one warm-up request, then ``repeats`` timed requests:
 
 - ``e2e_s``: median hot request, synchronized;
@@ -12,24 +12,21 @@ built networks (placement is one-way), one warm-up request, then ``repeats`` tim
 - ``equal_to_resident`` / ``max_abs_diff``: output versus the resident row (streamed weights are
   the same values, so it should be exact).
 
-Mount: ``bench_app.command("placement")(placement_command)`` in ``launcher/bench/cli.py``, or run
-``python -m tilecast.runtime.k6sr.bench_placement --workload small``.
+Imports no torch at module import time: ``CONFIGS`` names the ``--placement`` choices in
+``tilecast bench --help``.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import statistics
-import time
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import TYPE_CHECKING, Callable
 
-import torch
-import typer
+from tilecast.launcher.bench.report import synchronize, time_repeated
 
-from tilecast.runtime.k6sr.bench import WORKLOADS, build_released, pattern_video, run_tilecast
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +54,9 @@ def _context(device: torch.device, options: dict):
 
 def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: int, seed: int,
                  build: Callable) -> tuple[dict, torch.Tensor]:
+    import torch
+
+    from tilecast.launcher.bench.k6sr import run_tilecast
     from tilecast.runtime.k6sr.attention import install_dense_attention
     from tilecast.runtime.placement import apply_placement
 
@@ -67,33 +67,24 @@ def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: in
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.synchronize()
+    synchronize(device)
     weights_on_device = torch.cuda.memory_allocated() / GIB if cuda else float("nan")
     host = sum(s.streamed_bytes for s in applied.streamers.values()) + sum(
         o.group.num_bytes for o in applied.offloads.values())
 
-    run_tilecast(parts, frames, seed)  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, output = [], None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        output = run_tilecast(parts, frames, seed)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
+    timing = time_repeated(lambda: run_tilecast(parts, frames, seed), repeats=repeats, warmup=1, device=device,
+                           after_warmup=torch.cuda.reset_peak_memory_stats if cuda else None)
     row = {
         "placement": name,
-        "e2e_s": statistics.median(times),
+        "e2e_s": timing.median_s,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else float("nan"),
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else float("nan"),
         "weights_on_device_gib": weights_on_device,
         "host_gib": host / GIB,
         "late_groups": sum(s.late for s in applied.streamers.values()),
     }
-    output = output.float().cpu()
-    del parts, applied
+    output = timing.result.float().cpu()
+    del parts, applied, timing
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -102,10 +93,17 @@ def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: in
 
 def bench_placement(
     workloads: list[str], *, configs: list[str] | None = None, repeats: int = 3, seed: int = 42,
-    device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16, build: Callable = build_released,
+    device: torch.device | None = None, dtype: torch.dtype | None = None, build: Callable | None = None,
 ) -> list[dict]:
     """One row per (workload, placement); ``configs`` are ``CONFIGS`` names (default all; resident is
-    always measured first as the reference)."""
+    always measured first as the reference). ``dtype`` defaults to bfloat16, ``build`` to
+    ``k6sr.build_released``."""
+    import torch
+
+    from tilecast.launcher.bench.k6sr import WORKLOADS, build_released, pattern_video
+
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats must be a positive integer, got {repeats!r}")
     if device is None:
         if not torch.cuda.is_available():
             raise ValueError("tilecast bench placement needs a CUDA GPU (the released-size model)")
@@ -114,14 +112,17 @@ def bench_placement(
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown placement(s) {unknown}; choose from {list(CONFIGS)}")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"--workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
     rows = []
     for workload in workloads:
         width, height, num_frames = WORKLOADS[workload]
         frames = pattern_video(width, height, num_frames)
         reference = None
         for name in names:
-            row, output = _measure_one(name, CONFIGS[name], frames, device=device, dtype=dtype, repeats=repeats,
-                                       seed=seed, build=build)
+            row, output = _measure_one(name, CONFIGS[name], frames, device=device, dtype=dtype or torch.bfloat16,
+                                       repeats=repeats, seed=seed, build=build or build_released)
             if reference is None:
                 reference = output
             row["equal_to_resident"] = bool(torch.equal(output, reference))
@@ -133,29 +134,4 @@ def bench_placement(
 
 COLUMNS = ("workload", "placement", "e2e_s", "peak_allocated_gib", "peak_reserved_gib", "weights_on_device_gib",
            "host_gib", "late_groups", "equal_to_resident", "max_abs_diff")
-
-
-def placement_command(
-    workload: Annotated[list[str], typer.Option("--workload", help="small (384x256x33) | large (768x512x121), x2.")] = ["small"],  # noqa: B006
-    placement: Annotated[Optional[list[str]], typer.Option("--placement", help=f"Rows to run (default all): {', '.join(CONFIGS)}.")] = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed requests after one warm-up.")] = 3,
-    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
-) -> None:
-    """Released-size Kandinsky 6 SR on one GPU: peak memory and hot E2E per weight placement."""
-    from rich.console import Console
-    from rich.table import Table
-
-    for name in workload:
-        if name not in WORKLOADS:
-            raise typer.BadParameter(f"--workload {name!r}: choose from {', '.join(WORKLOADS)}")
-    rows = bench_placement(list(workload), configs=list(placement or []), repeats=repeats)
-    table = Table(*COLUMNS, title="Kandinsky 6 SR x2 weight placement, one GPU")
-    for row in rows:
-        table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS))
-    Console().print(table)
-    if json_out is not None:
-        json_out.write_text(json.dumps(rows, indent=2))
-
-
-if __name__ == "__main__":
-    typer.run(placement_command)
+"""The report's columns, in order."""

@@ -16,13 +16,12 @@ reference's largest magnitude).
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tilecast.launcher.bench.report import max_rel_diff, psnr_db, ratio, time_repeated
 from tilecast.runtime.families.flux import FluxT2IPipeline
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -48,33 +47,17 @@ def step_inputs(pipe, batch: int, *, width: int, height: int, max_sequence_lengt
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_step(transformer, inputs: dict, *, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
-    """(seconds of warm-up, milliseconds per step, the output) of ``transformer(**inputs)``."""
-    device = inputs["hidden_states"].device
-    began = time.perf_counter()
-    for _ in range(warmup):
-        out = transformer(**inputs)[0]
-    _sync(device)
-    warmup_s = time.perf_counter() - began
-    began = time.perf_counter()
-    for _ in range(iters):
-        out = transformer(**inputs)[0]
-    _sync(device)
-    return warmup_s, (time.perf_counter() - began) / iters * 1e3, out
-
-
-def psnr_db(out: torch.Tensor, reference: torch.Tensor) -> float:
-    """PSNR of ``out`` against ``reference``, peak the reference's largest magnitude (inf if equal)."""
-    mse = (out - reference).square().mean().item()
-    return float("inf") if mse == 0 else 10 * math.log10(reference.abs().max().item() ** 2 / mse)
+    """(seconds of warm-up, milliseconds per step, the output) of ``transformer(**inputs)``: the
+    ``iters`` steps run back to back, synchronized once at the end (a host-bound step is timed as
+    it would run in the denoising loop)."""
+    timing = time_repeated(lambda: transformer(**inputs)[0], repeats=iters, warmup=warmup,
+                           device=inputs["hidden_states"].device, each=False)
+    return timing.warmup_s, timing.mean_s * 1e3, timing.result
 
 
 def count_flops(transformer, inputs: dict) -> int:
+    """FLOPs of one ``transformer(**inputs)`` call, counted by PyTorch's ``FlopCounterMode``."""
     with FlopCounterMode(display=False) as counter:
         transformer(**inputs)
     return counter.get_total_flops()
@@ -114,10 +97,9 @@ def run_step_bench(
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
             reference = row.pop("reference").float()
             row.update(
-                tilecast_ms=ms, tilecast_warmup_s=warmup_s, ratio=ms / row["diffusers_ms"],
+                tilecast_ms=ms, tilecast_warmup_s=warmup_s, ratio=ratio(ms, row["diffusers_ms"]),
                 diffusers_ms_per_image=row["diffusers_ms"] / row["batch"], tilecast_ms_per_image=ms / row["batch"],
                 diffusers_tflops=row["tflop"] / row["diffusers_ms"] * 1e3, tilecast_tflops=row["tflop"] / ms * 1e3,
-                max_rel_diff=((out.float() - reference).abs().max() / reference.abs().max()).item(),
-                psnr_db=psnr_db(out.float(), reference),
+                max_rel_diff=max_rel_diff(out, reference), psnr_db=psnr_db(out, reference),
             )
     return rows

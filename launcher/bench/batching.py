@@ -10,10 +10,10 @@ far slower than steady state, which would otherwise penalise whichever server go
 
 Reported per server: throughput (completed requests per second of wall time), p50/p95 latency
 (nearest rank), failures and the server's own batching counters over the measured requests; plus the dynamic/singleton
-throughput ratio and latency ratios. Printed as a rich table; returned as a dict.
+throughput ratio and latency ratios. Printed as one table (``report.print_table``); returned as a dict.
 
 With ``peer="diffusers"`` the same traffic first runs on diffusers' own pipeline in this process
-(``families.bench_peer``: one request at a time, and offline with the whole batch), and the
+(``peer``: one request at a time, and offline with the whole batch), and the
 throughput ratios against it are added (keys ``peer_one_at_a_time``, ``peer_offline_batch`` and
 ``PEER_RATIOS``). ``dtype`` reaches the servers as ``--dtype`` and the peer as its dtype.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tilecast.client import Client, read_ready_file
+from tilecast.launcher.bench.report import print_table, ratio
 from tilecast.scheduler.batching_metrics import percentile_nearest_rank
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,12 @@ REQUEST_TIMEOUT_S = 600.0
 WARMUP_SEQUENTIAL = 3
 """Requests sent one at a time before measuring (then one concurrent wave of ``num_clients``)."""
 PEERS = ("diffusers",)
-"""What ``peer`` may name (``families.bench_peer``)."""
+"""What ``peer`` may name (``tilecast.launcher.bench.peer``)."""
 
 
 def bench_request(client: int, request: int) -> dict[str, Any]:
     """Prompt and seed of a measured request: distinct for every client and request (peer included)."""
     return {"prompt": f"bench client {client} request {request}", "seed": client * 1000 + request}
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator else float("nan")
 
 
 class _Server:
@@ -182,7 +179,7 @@ def run_batching_bench(
     """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc.
 
     ``dtype`` is passed to both servers as ``--dtype`` (their default when None). ``peer="diffusers"``
-    first measures the same traffic on diffusers alone in this process (``families.bench_peer``)
+    first measures the same traffic on diffusers alone in this process (``bench.peer``)
     and adds its rows and the ratios against it.
     """
     from tilecast.runtime.config import DTYPES, default_dtype
@@ -212,7 +209,7 @@ def run_batching_bench(
         "dtype": dtype or default_dtype(device), "peer": peer,
     }
     if peer is not None:
-        from tilecast.runtime.families.bench_peer import measure_diffusers_peer
+        from tilecast.launcher.bench.peer import measure_diffusers_peer
 
         peer_modes = measure_diffusers_peer(
             model_path, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields,
@@ -234,14 +231,14 @@ def run_batching_bench(
             finally:
                 server.stop()
     single, dynamic = results["singleton"], results["dynamic"]
-    results["throughput_ratio"] = _ratio(dynamic["throughput_rps"], single["throughput_rps"])
-    results["p50_ratio"] = _ratio(dynamic["p50_ms"], single["p50_ms"])
-    results["p95_ratio"] = _ratio(dynamic["p95_ms"], single["p95_ms"])
+    results["throughput_ratio"] = ratio(dynamic["throughput_rps"], single["throughput_rps"])
+    results["p50_ratio"] = ratio(dynamic["p50_ms"], single["p50_ms"])
+    results["p95_ratio"] = ratio(dynamic["p95_ms"], single["p95_ms"])
     if peer is not None:
         one, batch = results["peer_one_at_a_time"], results["peer_offline_batch"]
-        results["dynamic_vs_peer_offline_batch"] = _ratio(dynamic["throughput_rps"], batch["throughput_rps"])
-        results["dynamic_vs_peer_one_at_a_time"] = _ratio(dynamic["throughput_rps"], one["throughput_rps"])
-        results["singleton_vs_peer_one_at_a_time"] = _ratio(single["throughput_rps"], one["throughput_rps"])
+        results["dynamic_vs_peer_offline_batch"] = ratio(dynamic["throughput_rps"], batch["throughput_rps"])
+        results["dynamic_vs_peer_one_at_a_time"] = ratio(dynamic["throughput_rps"], one["throughput_rps"])
+        results["singleton_vs_peer_one_at_a_time"] = ratio(single["throughput_rps"], one["throughput_rps"])
     if print_table:
         print_bench_table(results)
     return results
@@ -255,35 +252,37 @@ PEER_RATIOS = {
 """Throughput ratios against the peer: result key -> table row label."""
 
 
-def print_bench_table(results: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+BATCHING_COLUMNS = ("mode", "requests", "errors", "throughput (req/s)", "p50 (ms)", "p95 (ms)", "avg batch", "merged")
+"""The batching report's columns, in order."""
 
-    table = Table(title=(
+
+def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
+    """The report's rows (cells already formatted), peer rows first, then the two servers and the ratios."""
+    rows = []
+    for mode in ("one_at_a_time", "offline_batch"):
+        row = results.get(f"peer_{mode}")
+        if row is not None:
+            rows.append({"mode": f"{results['peer']} {mode.replace('_', ' ')}", "requests": str(row["requests"]),
+                         "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
+                         "avg batch": f"{row['batch_size']:.2f}"})
+    for mode in ("singleton", "dynamic"):
+        row = results[mode]
+        rows.append({"mode": mode, "requests": str(row["requests"]), "errors": str(row["errors"]),
+                     "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
+                     "p95 (ms)": f"{row['p95_ms']:.1f}", "avg batch": f"{row['avg_batch_size']:.2f}",
+                     "merged": f"{row['merged_rate'] * 100:.0f}%"})
+    rows.append({"mode": "ratio dynamic / singleton", "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
+                 "p50 (ms)": f"{results['p50_ratio']:.2f}x", "p95 (ms)": f"{results['p95_ratio']:.2f}x"})
+    for key, label in PEER_RATIOS.items():
+        if key in results:
+            rows.append({"mode": label.format(peer=results["peer"]), "throughput (req/s)": f"{results[key]:.2f}x"})
+    return rows
+
+
+def print_bench_table(results: dict[str, Any]) -> None:
+    """Print ``run_batching_bench``'s results as one table."""
+    print_table(bench_table_rows(results), BATCHING_COLUMNS, title=(
         f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
         f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
         f"{results['num_gpus']} x {results['device']}, {results['dtype']}"
     ))
-    for column in ("mode", "requests", "errors", "throughput (req/s)", "p50 (ms)", "p95 (ms)", "avg batch", "merged"):
-        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=column == "mode")
-    for mode in ("one_at_a_time", "offline_batch"):
-        row = results.get(f"peer_{mode}")
-        if row is not None:
-            table.add_row(
-                f"{results['peer']} {mode.replace('_', ' ')}", str(row["requests"]), "",
-                f"{row['throughput_rps']:.3f}", f"{row['p50_ms']:.1f}", "", f"{row['batch_size']:.2f}", "",
-            )
-    for mode in ("singleton", "dynamic"):
-        row = results[mode]
-        table.add_row(
-            mode, str(row["requests"]), str(row["errors"]), f"{row['throughput_rps']:.3f}", f"{row['p50_ms']:.1f}",
-            f"{row['p95_ms']:.1f}", f"{row['avg_batch_size']:.2f}", f"{row['merged_rate'] * 100:.0f}%",
-        )
-    table.add_row(
-        "ratio dynamic / singleton", "", "", f"{results['throughput_ratio']:.2f}x", f"{results['p50_ratio']:.2f}x",
-        f"{results['p95_ratio']:.2f}x", "", "",
-    )
-    for key, label in PEER_RATIOS.items():
-        if key in results:
-            table.add_row(label.format(peer=results["peer"]), "", "", f"{results[key]:.2f}x", "", "", "", "")
-    Console(width=max(120, Console().width)).print(table)

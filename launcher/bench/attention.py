@@ -7,37 +7,30 @@ backend returns the log-sum-exp that Ring needs. FLOPs: 4 * S^2 * D per head (QK
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from tilecast.kernels.attention import attention
 from tilecast.kernels.backends import available_backends
+from tilecast.launcher.bench.report import time_repeated
 
 H200_DENSE_BF16_TFLOPS = 989.0
+"""The H200's dense bf16 peak, TFLOP/s (the "of peak" column)."""
 MODEL_DIM = 1792
+"""Kandinsky 6 SR's model width: heads = MODEL_DIM // head_dim."""
 
 
 def time_backend(backend: str, seq_len: int, head_dim: int, *, iters: int = 10, dtype=torch.bfloat16) -> float:
-    """Median seconds of one forward call."""
+    """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
     heads = MODEL_DIM // head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-    for _ in range(2):
-        attention(q, k, v, backend=backend)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        attention(q, k, v, backend=backend)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    return time_repeated(lambda: attention(q, k, v, backend=backend), repeats=iters, warmup=2, device="cuda",
+                         cuda_events=True).median_s
 
 
 def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=None, iters: int = 10) -> list[dict]:
+    """One row per (head dim, sequence length, backend): ms, TFLOP/s and the fraction of the H200's
+    peak, or the error of a backend that cannot run the shape."""
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench attention needs a CUDA GPU")
     device = torch.device("cuda")

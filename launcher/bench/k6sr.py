@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tilecast.launcher.bench.report import psnr_db, ratio, synchronize, time_repeated
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,8 @@ class DenseSDPAProcessor:
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def set_processors(transformer, make: Callable[[], Any]) -> None:
+    """Give every visual block's self-attention a fresh processor from ``make``."""
     for block in transformer.visual_transformer_blocks:
         block.self_attention.set_processor(make())
 
@@ -114,10 +111,10 @@ class StageTimer:
         original = getattr(module, method)
 
         def timed(*args, **kwargs):
-            _sync()
+            synchronize()
             started = time.perf_counter()
             result = original(*args, **kwargs)
-            _sync()
+            synchronize()
             self.times[stage] += time.perf_counter() - started
             return result
 
@@ -144,26 +141,26 @@ class Measurement:
 
 
 def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: StageTimer, repeats: int) -> Measurement:
-    run()  # warm-up
-    times, stage_runs = [], []
-    torch.cuda.reset_peak_memory_stats()
-    output = None
-    for _ in range(repeats):
+    """One warm-up request, then ``repeats`` timed ones; the row is the low-median request, its stage
+    times and "other" (the rest of its end-to-end time)."""
+    stage_runs: list[dict[str, float]] = []
+
+    def request() -> torch.Tensor:
         timer.reset()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
         output = run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
         stage_runs.append(dict(timer.times))
-    best = times.index(statistics.median_low(times))
+        return output
+
+    timing = time_repeated(request, repeats=repeats, warmup=1, device="cuda",
+                           after_warmup=lambda: (stage_runs.clear(), torch.cuda.reset_peak_memory_stats()))
+    best = timing.median_low_index
     stages = dict(stage_runs[best])
-    stages["other"] = times[best] - sum(stages.values())
+    stages["other"] = timing.calls_s[best] - sum(stages.values())
     return Measurement(
-        side=side, workload=workload, e2e_s=times[best], stages_s=stages,
+        side=side, workload=workload, e2e_s=timing.calls_s[best], stages_s=stages,
         peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-        output=output.float().cpu(),
+        output=timing.result.float().cpu(),
     )
 
 
@@ -190,11 +187,6 @@ def run_tilecast(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
     return ((out_BCFHW[0].permute(1, 0, 2, 3).float() + 1) / 2).clamp(0, 1)  # (F, C, H, W) in [0, 1]
 
 
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = float(((a - b) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
-
-
 def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats: int = 1, seed: int = 42,
                compile_blocks: bool = False) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
@@ -205,6 +197,11 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
     from tilecast.runtime.k6sr.attention import install_dense_attention
     from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
 
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats must be a positive integer, got {repeats!r}")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"--workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench k6sr needs a CUDA GPU (the released-size model is ~1.5B parameters)")
     device = torch.device("cuda")
@@ -240,7 +237,8 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
             row = {"workload": name, "side": side, "e2e_s": m.e2e_s, **{f"{k}_s": v for k, v in m.stages_s.items()},
                    "peak_reserved_gib": m.peak_reserved_gib, "peak_allocated_gib": m.peak_allocated_gib}
             if side == "tilecast" and reference is not None:
-                row["ratio_vs_diffusers"] = m.e2e_s / reference.e2e_s
-                row["psnr_vs_diffusers_db"] = psnr(m.output, reference.output) if m.output.shape == reference.output.shape else None
+                row["ratio_vs_diffusers"] = ratio(m.e2e_s, reference.e2e_s)
+                row["psnr_vs_diffusers_db"] = (psnr_db(m.output, reference.output, peak=1.0)
+                                               if m.output.shape == reference.output.shape else None)
             rows.append(row)
     return rows

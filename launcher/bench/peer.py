@@ -5,7 +5,7 @@ Run in the bench process before any server starts. It builds the very model the 
 pipeline object directly with the arguments the family passes it when serving (``call_args``:
 the prompts, one generator seeded per prompt, and ``call_kwargs``: size, steps, guidance, text
 length, output type), so both sides do the same work. Same traffic shape as the servers get
-(width, height, steps; distinct prompts and seeds, ``bench_batching.bench_request``):
+(width, height, steps; distinct prompts and seeds, ``batching.bench_request``):
 
 - ``one_at_a_time``: ``num_clients * requests_per_client`` sequential calls with one prompt each,
   what serving without batching amounts to;
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tilecast.runtime.families.bench_batching import WARMUP_SEQUENTIAL, bench_request
+from tilecast.launcher.bench.batching import WARMUP_SEQUENTIAL, bench_request
+from tilecast.launcher.bench.report import time_calls
 from tilecast.runtime.families.common import DiffusersBatchPipeline
 from tilecast.runtime.pipeline import RankContext, WorkItem
 from tilecast.runtime.registry import resolve_pipeline
@@ -37,30 +37,23 @@ from tilecast.scheduler.batching_metrics import percentile_nearest_rank
 logger = logging.getLogger(__name__)
 
 
-def _timed_calls(family: DiffusersBatchPipeline, batches: list[list[WorkItem]]) -> tuple[float, list[float]]:
-    """Each batch as one diffusers call, one after the other: (wall seconds, seconds per call)."""
-    latencies = []
-    start = time.perf_counter()
-    for items in batches:
-        began = time.perf_counter()
-        with torch.inference_mode():
-            family.pipe(**family.call_args(items), return_dict=False)
-        if family.device.type == "cuda":
-            torch.cuda.synchronize(family.device)
-        latencies.append(time.perf_counter() - began)
-    return time.perf_counter() - start, latencies
+def _call(family: DiffusersBatchPipeline, items: list[WorkItem]) -> None:
+    """``items`` as one call of the diffusers pipeline object."""
+    with torch.inference_mode():
+        family.pipe(**family.call_args(items), return_dict=False)
 
 
 def _mode(family: DiffusersBatchPipeline, warmup: list[list[WorkItem]], batches: list[list[WorkItem]]) -> dict:
-    _timed_calls(family, warmup)
-    wall_s, latencies = _timed_calls(family, batches)
+    """Each batch as one diffusers call, one after the other, after the untimed ``warmup`` calls."""
+    time_calls([lambda items=items: _call(family, items) for items in warmup], device=family.device)
+    timing = time_calls([lambda items=items: _call(family, items) for items in batches], device=family.device)
     requests = sum(len(items) for items in batches)
     return {
         "requests": requests,
         "batch_size": len(batches[0]),
-        "wall_s": wall_s,
-        "throughput_rps": requests / wall_s if wall_s > 0 else 0.0,
-        "p50_ms": percentile_nearest_rank(latencies, 50.0) * 1000.0,
+        "wall_s": timing.total_s,
+        "throughput_rps": requests / timing.total_s if timing.total_s > 0 else 0.0,
+        "p50_ms": percentile_nearest_rank(list(timing.calls_s), 50.0) * 1000.0,
     }
 
 
