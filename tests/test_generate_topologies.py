@@ -20,6 +20,8 @@ from tilecast.runtime.synthetic import write_test_video
 TOPOLOGIES = {
     "ulysses2": ["--num-gpus", "2", "--ulysses-degree", "2"],
     "ring2": ["--num-gpus", "2", "--ring-degree", "2"],
+    # Ring runs on any backend that returns the log-sum-exp, an explicitly named one included
+    "ring2-sdpa_math": ["--num-gpus", "2", "--ring-degree", "2", "--attention-backend", "sdpa_math"],
     "ulysses2-ring2": ["--num-gpus", "4", "--ulysses-degree", "2", "--ring-degree", "2"],
 }
 
