@@ -380,7 +380,7 @@ def no_ranks(monkeypatch):
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 @pytest.mark.parametrize("args, message", [
-    (["--use-fsdp-inference", "true", "--num-gpus", "1"], "FSDP requires multiple GPUs."),
+    (["--use-fsdp-inference", "true", "--num-gpus", "1"], "FSDP requires multiple GPUs"),
     (["--use-fsdp-inference", "maybe"], "--use-fsdp-inference takes true or false"),
     (["--layerwise-offload-components", "transformer vae", "--cpu-offload-components", "vae"],
      "vae cannot be in both"),
