@@ -20,35 +20,35 @@ logger = logging.getLogger(__name__)
 # built-in name -> "module:Class"
 BUILTIN_MODELS: dict[str, str] = {
     "test/allreduce": "tilecast.runtime.probe:AllReducePipeline",
-    "tiny/k6sr": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
-    "tiny/flux": "tilecast.runtime.families.flux:FluxT2IPipeline",
-    "random/flux": "tilecast.runtime.families.released:RandomFluxT2IPipeline",
-    "tiny/qwen-image": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
-    "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
-    "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:WanT2VPipeline",
+    "tiny/k6sr": "tilecast.runtime.models.k6sr.pipeline:K6SRPipeline",
+    "tiny/flux": "tilecast.runtime.models.families.flux:FluxT2IPipeline",
+    "random/flux": "tilecast.runtime.models.families.released:RandomFluxT2IPipeline",
+    "tiny/qwen-image": "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
+    "tiny/z-image-turbo": "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
+    "tiny/wan2.1-t2v": "tilecast.runtime.models.families.wan:WanT2VPipeline",
 }
 
 # built-in name -> "module:function" that returns its generated checkpoint directory (built once)
 BUILTIN_CHECKPOINTS: dict[str, str] = {
-    "tiny/k6sr": "tilecast.runtime.k6sr.tiny:ensure_tiny_k6sr",
-    "tiny/flux": "tilecast.runtime.families.flux:ensure_tiny_flux",
-    "tiny/qwen-image": "tilecast.runtime.families.qwen_image:ensure_tiny_qwen_image",
-    "tiny/z-image-turbo": "tilecast.runtime.families.z_image:ensure_tiny_z_image",
-    "tiny/wan2.1-t2v": "tilecast.runtime.families.wan:ensure_tiny_wan",
+    "tiny/k6sr": "tilecast.runtime.models.k6sr.tiny:ensure_tiny_k6sr",
+    "tiny/flux": "tilecast.runtime.models.families.flux:ensure_tiny_flux",
+    "tiny/qwen-image": "tilecast.runtime.models.families.qwen_image:ensure_tiny_qwen_image",
+    "tiny/z-image-turbo": "tilecast.runtime.models.families.z_image:ensure_tiny_z_image",
+    "tiny/wan2.1-t2v": "tilecast.runtime.models.families.wan:ensure_tiny_wan",
 }
 
 # diffusers pipeline class name (model_index.json) -> "module:Class"
 DIFFUSERS_CLASSES: dict[str, str] = {
-    "Kandinsky6SRPipeline": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
-    "FluxPipeline": "tilecast.runtime.families.flux:FluxT2IPipeline",
-    "QwenImagePipeline": "tilecast.runtime.families.qwen_image:QwenImageT2IPipeline",
-    "ZImagePipeline": "tilecast.runtime.families.z_image:ZImageT2IPipeline",
-    "WanPipeline": "tilecast.runtime.families.wan:WanT2VPipeline",
+    "Kandinsky6SRPipeline": "tilecast.runtime.models.k6sr.pipeline:K6SRPipeline",
+    "FluxPipeline": "tilecast.runtime.models.families.flux:FluxT2IPipeline",
+    "QwenImagePipeline": "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
+    "ZImagePipeline": "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
+    "WanPipeline": "tilecast.runtime.models.families.wan:WanT2VPipeline",
 }
 
 # substrings of a model id (--model-id, or the directory name) -> "module:Class"
 MODEL_ID_HINTS: dict[str, str] = {
-    "Kandinsky-6.0-VSR": "tilecast.runtime.k6sr.pipeline:K6SRPipeline",
+    "Kandinsky-6.0-VSR": "tilecast.runtime.models.k6sr.pipeline:K6SRPipeline",
 }
 
 

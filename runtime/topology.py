@@ -358,7 +358,7 @@ class ModelLimits:
 
 
 TINY_K6SR_LIMITS = ModelLimits(num_heads=12, ff_dim=384)
-"""``tiny/k6sr``'s DiT (``runtime/k6sr/tiny.py``: model_dim 192 over head dim 4+6+6, ff_dim 384),
+"""``tiny/k6sr``'s DiT (``runtime/models/k6sr/tiny.py``: model_dim 192 over head dim 4+6+6, ff_dim 384),
 written here so the check needs no torch import; a test holds it equal to the tiny config."""
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tilecast.client import Client, JobFailedError
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.inproc import InProcessServer
 
 BATCH_TOL = 1e-4

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from tilecast.launcher import cli
 from tilecast.launcher.bench.peer import measure_diffusers_peer
-from tilecast.runtime.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.flux import TINY_FLUX
 
 TINY_FIELDS = dict(width=32, height=32, num_inference_steps=1)
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tilecast.launcher import cli
-from tilecast.runtime.k6sr.pipeline import K6SRPipeline
-from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 from tilecast.runtime.registry import resolve_pipeline
 
 

@@ -43,14 +43,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def _parts(dtype, backend=None, compile_blocks=False, fast_decode=True):
-    from tilecast.runtime.k6sr.attention import install_dense_attention
-    from tilecast.runtime.k6sr.loading import load_components
-    from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.loading import load_components
+    from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 
     parts = load_components(ensure_tiny_k6sr(), device=torch.device("cuda"), dtype=dtype)
     install_dense_attention(parts.transformer, backend=backend)
     if fast_decode:
-        from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+        from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
         parts.decoder = ChannelsLastDecoder(parts.vae)
     if compile_blocks:
@@ -60,7 +60,7 @@ def _parts(dtype, backend=None, compile_blocks=False, fast_decode=True):
 
 def _upscale(parts):
     from tilecast.launcher.bench.k6sr import pattern_video
-    from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, upscale_video
+    from tilecast.runtime.models.k6sr.stages import SRSettings, frames_to_video, upscale_video
 
     video = frames_to_video(torch.from_numpy(pattern_video(128, 64, 9)), parts.device)
     with torch.no_grad():
@@ -136,7 +136,7 @@ def _mid_vae(dtype):
 
 
 def test_channels_last_decode_matches_diffusers():
-    from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
     z = torch.randn(1, 64, 11, 6, 8, device="cuda")
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_channels_last_decode_matches_diffusers():
 def _flux_step(dtype, fast: bool, compile_blocks: bool = False, quantize: str | None = None):
     """One step of tiny/flux's transformer on the GPU, diffusers' own or with tilecast's fast paths."""
     from tilecast.launcher.bench.step import step_inputs
-    from tilecast.runtime.families.flux import FluxT2IPipeline
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
     if fast:
@@ -183,7 +183,7 @@ def test_flux_fast_paths_match_diffusers(compile_blocks):
 
 def test_flux_compiled_vae_decoder_matches_eager():
     from tilecast.launcher.bench.report import psnr_db
-    from tilecast.runtime.families.flux import FluxT2IPipeline
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     def decode(dtype, compiled):
         pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
@@ -230,7 +230,7 @@ def test_fp8_linear_on_cuda_is_the_dequantized_product():
 
 @pytest.mark.parametrize("compile_blocks", [False, True])
 def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
-    from tilecast.runtime.families.flux import FluxT2IPipeline
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     def images(cuda_graphs):
         pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), torch.bfloat16)
@@ -284,7 +284,7 @@ def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
     from diffusers import PiflowScheduler
 
     from tilecast.kernels import piflow
-    from tilecast.runtime.k6sr.stages import piflow_schedule
+    from tilecast.runtime.models.k6sr.stages import piflow_schedule
 
     scheduler = PiflowScheduler(**config)
     scheduler.set_timesteps(num_steps, device="cuda")

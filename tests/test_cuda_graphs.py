@@ -49,7 +49,7 @@ def test_serve_refuses_cuda_graphs_on_cpu_naming_the_flag():
 
 
 def test_k6sr_refuses_cuda_graphs_instead_of_ignoring_it(tmp_path):
-    from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+    from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
     from tilecast.runtime.pipeline import RankContext
 
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
@@ -59,7 +59,7 @@ def test_k6sr_refuses_cuda_graphs_instead_of_ignoring_it(tmp_path):
 
 
 def test_flux_installs_cuda_graphs_and_refuses_them_off_the_gpu(tiny_cache):
-    from tilecast.runtime.families.flux import FluxT2IPipeline
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device; the model is on cpu"):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks, one_thread
-from tilecast.runtime.k6sr.decode_parallel import decode_serial, decode_whole_tiles, num_rounds, owner_of
-from tilecast.runtime.k6sr.tile_parallel import TileWork, select_decode_mode
-from tilecast.runtime.k6sr.tiling import plan_tiles
+from tilecast.runtime.models.k6sr.decode_parallel import decode_serial, decode_whole_tiles, num_rounds, owner_of
+from tilecast.runtime.models.k6sr.tile_parallel import TileWork, select_decode_mode
+from tilecast.runtime.models.k6sr.tiling import plan_tiles
 from tilecast.runtime.pipeline import RankContext
 
 TIMEOUT = 120
@@ -29,7 +29,7 @@ WIDTH_FOR_TILES = {1: 64, 3: 128, 5: 256}  # low-res width → tiles in one row 
 def tiny_vae():
     from diffusers import Kandinsky6SRVAE
 
-    from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+    from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -38,7 +38,7 @@ def tiny_vae():
 
 def make_case(num_tiles: int, batch: int):
     """(plan, chunks, decode, num_frames): seeded denoised latents in chunks of ``batch`` tiles."""
-    from tilecast.runtime.k6sr.stages import chunk_starts, decode_latents
+    from tilecast.runtime.models.k6sr.stages import chunk_starts, decode_latents
 
     plan = plan_tiles(
         64, WIDTH_FOR_TILES[num_tiles], tiling_scale=2, tile_sizes=((128, 128),), min_overlap=0.2, snap=16
@@ -164,9 +164,9 @@ def _pipeline_ctx(rank, world_size, group, output_dir, cache_dir, media_dir, **o
 
 
 def _run_pipeline(ctx, video_path):
-    from tilecast.runtime.k6sr.params import SRParams
-    from tilecast.runtime.k6sr.pipeline import K6SRPipeline
-    from tilecast.runtime.k6sr.video_io import read_clip
+    from tilecast.runtime.models.k6sr.params import SRParams
+    from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
+    from tilecast.runtime.models.k6sr.video_io import read_clip
     from tilecast.runtime.pipeline import WorkItem
 
     pipe = K6SRPipeline.load("tiny/k6sr", ctx)
@@ -202,7 +202,7 @@ def _pipeline_rank(rank, world_size, tmp, video_path):
 def test_pipeline_on_two_ranks_matches_one_rank(tmp_path):
     from tests.media import write_test_video
 
-    from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+    from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 
     ensure_tiny_k6sr(tmp_path / "cache")
     (tmp_path / "media").mkdir()

@@ -28,7 +28,7 @@ CONFIG = dict(
 def _tiny_dit(num_frames: int = 3):
     from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
 
-    from tilecast.runtime.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
 
     torch.manual_seed(0)
     model = Kandinsky6SRTransformer3DModel(**CONFIG).eval()
@@ -42,7 +42,7 @@ def _tiny_dit(num_frames: int = 3):
 def _run_topology(rank: int, world_size: int, tp: int, ulysses: int, ring: int, num_frames: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tilecast.runtime.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
+    from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 
     mesh = init_device_mesh("cpu", (ring, ulysses, tp), mesh_dim_names=("ring", "ulysses", "tp"))
     model, hidden_states, timestep = _tiny_dit(num_frames)
@@ -84,7 +84,7 @@ def test_dit_matches_single_rank(tp, ulysses, ring, num_frames):
 
 
 def test_heads_must_divide_tp_times_ulysses():
-    from tilecast.runtime.k6sr import dit_parallel
+    from tilecast.runtime.models.k6sr import dit_parallel
 
     model, _, _ = _tiny_dit()
     for tp, ulysses in [(8, 1), (2, 4), (1, 8)]:  # 12 heads

@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import torch
 
-from tilecast.runtime.families.common import T2IParams, T2VParams
-from tilecast.runtime.families.flux import TINY_FLUX, FluxT2IPipeline
-from tilecast.runtime.families.qwen_image import QwenImageT2IPipeline
-from tilecast.runtime.families.wan import WanT2VPipeline
-from tilecast.runtime.families.z_image import ZImageT2IPipeline
+from tilecast.runtime.models.families.common import T2IParams, T2VParams
+from tilecast.runtime.models.families.flux import TINY_FLUX, FluxT2IPipeline
+from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.models.families.wan import WanT2VPipeline
+from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
 from tilecast.runtime.pipeline import RankContext, WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -198,7 +198,7 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
 
 def test_settings_the_families_do_not_read_are_named_as_ignored():
     from tilecast.runtime.config import ServeConfig, ignored_settings
-    from tilecast.runtime.families.common import DiffusersBatchPipeline
+    from tilecast.runtime.models.families.common import DiffusersBatchPipeline
 
     honoured = DiffusersBatchPipeline.honoured_options
     options = {"tp_size": 1, "ulysses_degree": 2, "ring_degree": 1, "vae": {"use_parallel_tiling": True},

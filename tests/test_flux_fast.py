@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tilecast.kernels.attention import BackendUnavailableError
-from tilecast.runtime.families import flux_fast
-from tilecast.runtime.families.flux import FluxT2IPipeline
-from tilecast.runtime.families.flux_fast import FluxDenseAttnProcessor
+from tilecast.runtime.models.families import flux_fast
+from tilecast.runtime.models.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux_fast import FluxDenseAttnProcessor
 from tilecast.runtime.pipeline import RankContext, WorkItem
 
 

@@ -73,7 +73,7 @@ def test_fp8_needs_fp8_tensor_cores_on_cuda(monkeypatch):
 # ------------------------------------------------------------------------------------ FLUX
 def _flux_step(quantize: str | None) -> tuple[torch.Tensor, object]:
     from tilecast.launcher.bench.step import step_inputs
-    from tilecast.runtime.families.flux import FluxT2IPipeline
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cpu"), torch.float32)
     FluxT2IPipeline.install_fast_paths(pipe, {"quantize": quantize})
@@ -115,7 +115,7 @@ def test_serve_refuses_an_unknown_quantize_mode_naming_it():
 
 
 def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
-    from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+    from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
     from tilecast.runtime.pipeline import RankContext
 
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tilecast.runtime.k6sr.loading import load_components
-from tilecast.runtime.k6sr.tiny import TINY_NAME, ensure_tiny_k6sr, write_tiny_k6sr
+from tilecast.runtime.models.k6sr.loading import load_components
+from tilecast.runtime.models.k6sr.tiny import TINY_NAME, ensure_tiny_k6sr, write_tiny_k6sr
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -62,7 +62,7 @@ def test_ensure_tiny_is_idempotent_and_race_safe(tiny_dir, tmp_path):
 
 
 def test_tiny_model_is_sane(tiny_dir):
-    from tilecast.runtime.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
 
     parts = load_components(tiny_dir, device="cpu", dtype=torch.float32)
     install_dense_attention(parts.transformer)
@@ -122,7 +122,7 @@ def test_shape_mismatch_is_refused(tiny_dir, tmp_path):
 def test_latent_channel_mismatch_is_refused(tiny_dir, tmp_path):
     from diffusers import Kandinsky6SRVAE
 
-    from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+    from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 
     root = _copy(tiny_dir, tmp_path)
     shutil.rmtree(root / "vae")

@@ -21,9 +21,9 @@ import torch
 
 from tests.media import pattern_frames
 from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
-from tilecast.runtime.k6sr.params import SRParams
-from tilecast.runtime.k6sr.pipeline import K6SRPipeline
-from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.models.k6sr.params import SRParams
+from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 from tilecast.runtime.pipeline import RankContext
 
 ATOL = 1e-4
@@ -123,7 +123,7 @@ def test_tile_batch_changes_the_output_but_stays_deterministic(ours):
 def test_other_attention_backends_match_diffusers(ours, reference, backend):
     from tilecast.kernels.backends import available_backends
 
-    from tilecast.runtime.k6sr.attention import dense_processors
+    from tilecast.runtime.models.k6sr.attention import dense_processors
 
     if backend not in available_backends():
         pytest.skip(f"attention backend {backend} is not available here")

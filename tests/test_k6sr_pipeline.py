@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.media import write_test_video
-from tilecast.runtime.k6sr.params import SRParams
-from tilecast.runtime.k6sr.pipeline import K6SRPipeline
-from tilecast.runtime.k6sr.video_io import AUDIO_RATE, read_clip
+from tilecast.runtime.models.k6sr.params import SRParams
+from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.models.k6sr.video_io import AUDIO_RATE, read_clip
 from tilecast.runtime.pipeline import RankContext, WorkItem
 
 

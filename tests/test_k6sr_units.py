@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from tilecast.runtime.k6sr import params as P
+from tilecast.runtime.models.k6sr import params as P
 from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
-from tilecast.runtime.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
-from tilecast.runtime.k6sr.video_io import MAX_FRAMES, select_frames
+from tilecast.runtime.models.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
+from tilecast.runtime.models.k6sr.video_io import MAX_FRAMES, select_frames
 
 
 # ----------------------------------------------------------------------------- frame selection
@@ -158,7 +158,7 @@ def _rope(num_tokens: int, head_dim: int) -> torch.Tensor:
 def test_dense_processor_matches_sdpa_and_column_sharding():
     from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
 
-    from tilecast.runtime.k6sr.attention import K6SRDenseAttnProcessor
+    from tilecast.runtime.models.k6sr.attention import K6SRDenseAttnProcessor
 
     torch.manual_seed(0)
     dim, head_dim, tokens = 192, 16, 40
@@ -199,7 +199,7 @@ def test_dense_processor_matches_sdpa_and_column_sharding():
 def test_install_dense_attention_replaces_every_layer():
     from diffusers import Kandinsky6SRTransformer3DModel
 
-    from tilecast.runtime.k6sr.attention import K6SRDenseAttnProcessor, dense_processors, install_dense_attention
+    from tilecast.runtime.models.k6sr.attention import K6SRDenseAttnProcessor, dense_processors, install_dense_attention
 
     model = Kandinsky6SRTransformer3DModel(
         in_visual_dim=4, out_visual_dim=40, time_dim=8, model_dim=32, ff_dim=32, num_visual_blocks=3,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tilecast.kernels import piflow
-from tilecast.runtime.k6sr import stages
+from tilecast.runtime.models.k6sr import stages
 
 CHANNELS = 4
 
@@ -81,8 +81,8 @@ def test_noise_ahead_draws_chunk_noise_in_the_given_order():
 
 
 def test_denoise_steps_through_the_one_pass_rollout_and_matches_diffusers_step(monkeypatch):
-    from tilecast.runtime.k6sr.loading import load_components
-    from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+    from tilecast.runtime.models.k6sr.loading import load_components
+    from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 
     parts = load_components(ensure_tiny_k6sr(), device=torch.device("cpu"), dtype=torch.float32)
     channels = parts.transformer.config.in_visual_dim

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
-from tilecast.runtime.k6sr.params import SRParams
-from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+from tilecast.runtime.models.k6sr.params import SRParams
+from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.pipeline import RankContext
 from tilecast.runtime.placement import LayerStreamer, PlacementConfig, on_device
 
@@ -50,7 +50,7 @@ def clip(num_frames: int = NUM_FRAMES) -> torch.Tensor:
 
 
 def _load_aligned(model_dir, **kwargs):
-    from tilecast.runtime.k6sr.loading import load_components
+    from tilecast.runtime.models.k6sr.loading import load_components
 
     parts = load_components(model_dir, **kwargs)
     for model in (parts.transformer, parts.vae, parts.latent_upscaler):
@@ -61,7 +61,7 @@ def _load_aligned(model_dir, **kwargs):
 
 def align_loading(monkeypatch) -> None:
     """``K6SRPipeline.load`` copies every loaded weight once into fresh (aligned) storage."""
-    monkeypatch.setattr("tilecast.runtime.k6sr.pipeline.load_components", _load_aligned)
+    monkeypatch.setattr("tilecast.runtime.models.k6sr.pipeline.load_components", _load_aligned)
 
 
 def upscale(pipe: K6SRPipeline, frames: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
     from tilecast.runtime.topology import Topology
 
     frames = clip(1)
-    pytest.MonkeyPatch().setattr("tilecast.runtime.k6sr.pipeline.load_components", _load_aligned)
+    pytest.MonkeyPatch().setattr("tilecast.runtime.models.k6sr.pipeline.load_components", _load_aligned)
     groups = None
     if ulysses > 1:
         topology = Topology(num_gpus=world_size, ulysses_degree=ulysses)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tilecast.launcher.options import model_num_heads
-from tilecast.runtime.families import released
-from tilecast.runtime.families.common import T2IParams
-from tilecast.runtime.families.flux import RELEASED_CONFIGS, TINY_OVERRIDES, FluxT2IPipeline, flux_configs
+from tilecast.runtime.models.families import released
+from tilecast.runtime.models.families.common import T2IParams
+from tilecast.runtime.models.families.flux import RELEASED_CONFIGS, TINY_OVERRIDES, FluxT2IPipeline, flux_configs
 from tilecast.runtime.pipeline import RankContext, WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from tests.distributed import run_ranks, one_thread
 from tilecast.kernels.halo import gather_rows, halo_exchange, split_sizes
-from tilecast.runtime.k6sr.spatial_shard import decode_spatial_shard, shard_sizes, sharded_decoder
+from tilecast.runtime.models.k6sr.spatial_shard import decode_spatial_shard, shard_sizes, sharded_decoder
 
 TIMEOUT = 120
 PSNR_BOUND_DB = 60.0
@@ -35,7 +35,7 @@ FLOAT_BOUND = 1e-4
 def tiny_vae():
     from diffusers import Kandinsky6SRVAE
 
-    from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+    from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

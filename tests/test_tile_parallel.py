@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks, one_thread
-from tilecast.runtime.k6sr.tiling import plan_tiles
+from tilecast.runtime.models.k6sr.tiling import plan_tiles
 
 TIMEOUT = 120
 NUM_TILES = 3  # 3 chunks on 2 ranks: rank 1 has no chunk in the second round
@@ -24,14 +24,14 @@ WIDTH_FOR_3_TILES = 128
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
+    from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 
     return ensure_tiny_k6sr(tmp_path_factory.mktemp("cache"))
 
 
 def load(model_dir):
-    from tilecast.runtime.k6sr.attention import install_dense_attention
-    from tilecast.runtime.k6sr.loading import load_components
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.loading import load_components
 
     parts = load_components(model_dir, device="cpu", dtype=torch.float32)
     install_dense_attention(parts.transformer)
@@ -39,7 +39,7 @@ def load(model_dir):
 
 
 def make_case(batch: int):
-    from tilecast.runtime.k6sr.stages import SRSettings
+    from tilecast.runtime.models.k6sr.stages import SRSettings
 
     plan = plan_tiles(64, WIDTH_FOR_3_TILES, tiling_scale=2, tile_sizes=((128, 128),), min_overlap=0.2, snap=16)
     assert plan.num_tiles == NUM_TILES
@@ -51,7 +51,7 @@ def make_case(batch: int):
 def _modes(rank, world_size, model_dir, batches):
     import torch.distributed as dist
 
-    from tilecast.runtime.k6sr.tile_parallel import TileWork
+    from tilecast.runtime.models.k6sr.tile_parallel import TileWork
 
     parts = load(model_dir)
     group = dist.group.WORLD
@@ -81,7 +81,7 @@ def _units(rank, world_size, model_dir):
     gathering do not care about. The second run decodes each chunk spatially sharded in its unit."""
     import torch.distributed as dist
 
-    from tilecast.runtime.k6sr.tile_parallel import TileWork
+    from tilecast.runtime.models.k6sr.tile_parallel import TileWork
 
     parts = load(model_dir)
     unit_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -99,7 +99,7 @@ def _units(rank, world_size, model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    from tilecast.runtime.k6sr.stages import decode_and_blend, denoise_tiles
+    from tilecast.runtime.models.k6sr.stages import decode_and_blend, denoise_tiles
 
     parts = load(model_dir)
     cache = {}

@@ -15,7 +15,7 @@ import pytest
 
 from tests.distributed import run_ranks
 from tilecast.runtime.cache import MARKER, check_model_dir, check_structure
-from tilecast.runtime.families.flux import TINY_FLUX, ensure_tiny_flux
+from tilecast.runtime.models.families.flux import TINY_FLUX, ensure_tiny_flux
 
 TEXT_ENCODER_WEIGHTS = ("text_encoder/model.safetensors", "text_encoder_2/model.safetensors")
 

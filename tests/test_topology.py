@@ -128,7 +128,7 @@ def test_fsdp_needs_two_ranks():
 
 
 def test_tiny_k6sr_limits_match_its_config():
-    from tilecast.runtime.k6sr.tiny import TRANSFORMER_CONFIG
+    from tilecast.runtime.models.k6sr.tiny import TRANSFORMER_CONFIG
     from tilecast.runtime.topology import TINY_K6SR_LIMITS, model_limits
 
     config = TRANSFORMER_CONFIG
@@ -140,7 +140,7 @@ def test_tiny_k6sr_limits_match_its_config():
 def test_same_mistake_same_message_before_launch_and_on_the_ranks():
     from types import SimpleNamespace
 
-    from tilecast.runtime.k6sr import dit_parallel
+    from tilecast.runtime.models.k6sr import dit_parallel
     from tilecast.runtime.rank import build_groups
     from tilecast.runtime.topology import TopologyError
 

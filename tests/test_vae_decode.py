@@ -6,9 +6,9 @@ import pytest
 import torch
 from diffusers import Kandinsky6SRVAE
 
-from tilecast.runtime.k6sr.tiny import VAE_CONFIG
+from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 from tilecast.kernels.spatial_norm import reference as norm_modulate_silu
-from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder, nearest_index
+from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder, nearest_index
 
 
 def make_vae(seed: int = 0, **overrides) -> Kandinsky6SRVAE:
@@ -85,7 +85,7 @@ def test_norm_modulate_silu_broadcast_equals_materialised_upsample():
 # ----------------------------------------------------------------------------- in the pipeline
 
 def _load(cache, **options):
-    from tilecast.runtime.k6sr.pipeline import K6SRPipeline
+    from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
     from tilecast.runtime.pipeline import RankContext
 
     ctx = RankContext(
@@ -97,7 +97,7 @@ def _load(cache, **options):
 
 def _upscale(pipe) -> torch.Tensor:
     from tests.test_placement import clip
-    from tilecast.runtime.k6sr.params import SRParams
+    from tilecast.runtime.models.k6sr.params import SRParams
 
     return pipe.upscale_frames(clip(), SRParams(sr_resolution_scale=2))[0]
 

@@ -118,9 +118,9 @@ def test_kvae_decode_beats_per_decoder_block():
     diffusers' decode beats through ``alive_during`` (``stages.decode_latents`` either way)."""
     from diffusers import Kandinsky6SRVAE
 
-    from tilecast.runtime.k6sr import stages
-    from tilecast.runtime.k6sr.tiny import VAE_CONFIG
-    from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+    from tilecast.runtime.models.k6sr import stages
+    from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

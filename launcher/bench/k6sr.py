@@ -50,7 +50,7 @@ def build_released(device: torch.device, dtype: torch.dtype, seed: int = 0):
         PiflowScheduler,
     )
 
-    from tilecast.runtime.k6sr.loading import K6SRComponents
+    from tilecast.runtime.models.k6sr.loading import K6SRComponents
 
     def make(cls):
         torch.manual_seed(seed)
@@ -179,7 +179,7 @@ def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
 
 
 def run_tilecast(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
-    from tilecast.runtime.k6sr.stages import SRSettings, frames_to_video, upscale_video
+    from tilecast.runtime.models.k6sr.stages import SRSettings, frames_to_video, upscale_video
 
     video = frames_to_video(torch.from_numpy(frames_FHWC), parts.device)
     settings = SRSettings(scale=2, num_inference_steps=2, seed=seed, tiles_batch_size=1)
@@ -194,8 +194,8 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
     diffusers runs every workload first, then tilecast installs its fast paths (its attention, its
     channels-last VAE decode, which makes the decoder's weights channels-last in place, and with
     ``compile_blocks`` the compiled DiT blocks) and runs them again."""
-    from tilecast.runtime.k6sr.attention import install_dense_attention
-    from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be a positive integer, got {repeats!r}")

@@ -29,7 +29,7 @@ import torch
 
 from tilecast.launcher.bench.batching import WARMUP_SEQUENTIAL, bench_request
 from tilecast.launcher.bench.report import time_calls
-from tilecast.runtime.families.common import DiffusersBatchPipeline
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline
 from tilecast.runtime.pipeline import RankContext, WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 from tilecast.scheduler.batching_metrics import percentile_nearest_rank

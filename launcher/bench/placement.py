@@ -57,7 +57,7 @@ def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: in
     import torch
 
     from tilecast.launcher.bench.k6sr import run_tilecast
-    from tilecast.runtime.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.attention import install_dense_attention
     from tilecast.runtime.placement import apply_placement
 
     cuda = device.type == "cuda"

@@ -22,7 +22,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tilecast.launcher.bench.report import max_rel_diff, psnr_db, ratio, time_repeated
-from tilecast.runtime.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.registry import resolve_pipeline
 
 GUIDANCE = 3.5

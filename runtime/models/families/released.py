@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from tilecast.runtime.families.common import _BUILD_LOCK
-from tilecast.runtime.families.flux import FluxT2IPipeline, build_flux, flux_configs
+from tilecast.runtime.models.families.common import _BUILD_LOCK
+from tilecast.runtime.models.families.flux import FluxT2IPipeline, build_flux, flux_configs
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tilecast.kernels.halo import group_rank, group_size
-from tilecast.runtime.k6sr.tiling import TileBlender, TilePlan
+from tilecast.runtime.models.k6sr.tiling import TileBlender, TilePlan
 
 logger = logging.getLogger(__name__)
 

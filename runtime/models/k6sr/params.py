@@ -13,7 +13,7 @@ import re
 
 import msgspec
 
-from tilecast.runtime.k6sr.tiling import SUPPORTED_SCALES
+from tilecast.runtime.models.k6sr.tiling import SUPPORTED_SCALES
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ diffusers' ``Kandinsky6SRTransformer3DModel.forward`` patchifies, builds the fp3
 - ``K6SR_TP_PLAN``: Q/K/V and the FF input projection column-parallel, the attention output
   projection and the FF output projection row-parallel (one all-reduce per attention and per FF).
 
-The attention layers run ``runtime/k6sr/attention.py``'s ``K6SRDenseAttnProcessor``; each forward,
+The attention layers run ``runtime/models/k6sr/attention.py``'s ``K6SRDenseAttnProcessor``; each forward,
 block 0's pre-hook gives every processor an ``AttentionParallel`` carrying the true token count, so
 a sequence that does not divide by the SP degree is zero-padded and the padded keys are masked.
 

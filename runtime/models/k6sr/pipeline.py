@@ -34,18 +34,18 @@ import torch
 import torch.nn.functional as F
 
 from tilecast.runtime.allowed_files import open_allowed
-from tilecast.runtime.k6sr import video_io
-from tilecast.runtime.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
-from tilecast.runtime.k6sr.attention import install_dense_attention
-from tilecast.runtime.k6sr.loading import K6SRComponents, load_components, parse_dtype
-from tilecast.runtime.k6sr.params import (
+from tilecast.runtime.models.k6sr import video_io
+from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
+from tilecast.runtime.models.k6sr.attention import install_dense_attention
+from tilecast.runtime.models.k6sr.loading import K6SRComponents, load_components, parse_dtype
+from tilecast.runtime.models.k6sr.params import (
     SRParams,
     check_request,
     default_output_name,
     parse_target_resolution,
     target_size,
 )
-from tilecast.runtime.k6sr.stages import (
+from tilecast.runtime.models.k6sr.stages import (
     NO_HOOKS,
     SRSettings,
     frames_to_video,
@@ -53,9 +53,9 @@ from tilecast.runtime.k6sr.stages import (
     upscale_video,
     video_to_frames,
 )
-from tilecast.runtime.k6sr.tile_parallel import TileWork
-from tilecast.runtime.k6sr.tiny import ensure_tiny_k6sr
-from tilecast.runtime.k6sr.vae_decode import ChannelsLastDecoder
+from tilecast.runtime.models.k6sr.tile_parallel import TileWork
+from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
+from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 from tilecast.runtime.placement import AppliedPlacement, apply_placement
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 

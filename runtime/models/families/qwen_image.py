@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.families import tokenizers
-from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families import tokenizers
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 

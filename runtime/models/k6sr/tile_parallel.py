@@ -44,9 +44,9 @@ from typing import Any, Callable
 import torch
 
 from tilecast.kernels.halo import group_rank, group_size
-from tilecast.runtime.k6sr.decode_parallel import blend_rounds, decode_serial, decode_whole_tiles, owner_of
-from tilecast.runtime.k6sr.spatial_shard import decode_spatial_shard
-from tilecast.runtime.k6sr.tiling import TilePlan
+from tilecast.runtime.models.k6sr.decode_parallel import blend_rounds, decode_serial, decode_whole_tiles, owner_of
+from tilecast.runtime.models.k6sr.spatial_shard import decode_spatial_shard
+from tilecast.runtime.models.k6sr.tiling import TilePlan
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class TileWork:
         (each replicated DiT step, each chunk decoded together, each gathered round), never inside a
         unit's own tiles (the units hold different numbers of chunks).
         """
-        from tilecast.runtime.k6sr import stages  # stages calls into this module
+        from tilecast.runtime.models.k6sr import stages  # stages calls into this module
 
         hooks = hooks if hooks is not None else stages.NO_HOOKS
         timings = timings if timings is not None else {}
@@ -245,7 +245,7 @@ def denoise_decode_tile_parallel(
     ``cancel_point`` runs between gathered rounds (every rank takes part in every round), or after
     each chunk when every rank produces every chunk (one unit or one chunk).
     """
-    from tilecast.runtime.k6sr import stages
+    from tilecast.runtime.models.k6sr import stages
 
     ranges = stages.chunk_starts(tiles_NCTHW.shape[0], settings.tiles_batch_size)
     serial = group_size(group) == unit_size or len(ranges) == 1  # one unit or one chunk: no gather

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from tilecast.kernels import piflow
-from tilecast.runtime.k6sr.loading import K6SRComponents
-from tilecast.runtime.k6sr.tiling import (
+from tilecast.runtime.models.k6sr.loading import K6SRComponents
+from tilecast.runtime.models.k6sr.tiling import (
     TileBlender,
     TilePlan,
     plan_tiles,
@@ -443,7 +443,7 @@ def upscale_video(
         hooks.cancel_point()
 
         if tile_work is not None and tile_work.is_parallel:
-            # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/k6sr/tile_parallel.py).
+            # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/models/k6sr/tile_parallel.py).
             video_BCFHW = tile_work.run(
                 parts, tiles_NCTHW, settings, plan, num_frames, on_progress=on_progress, timings=timings, hooks=hooks,
             )

@@ -32,7 +32,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ignored_settings
-from tilecast.runtime.k6sr.params import check_output_file_name
+from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
 logger = logging.getLogger(__name__)

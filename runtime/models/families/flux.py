@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from tilecast.runtime.families import tokenizers
-from tilecast.runtime.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families import tokenizers
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
         """tilecast's attention kernel, fused projections and ``--quantize`` (``flux_fast``), then the
         families' ``--compile``, which here compiles the VAE decoder too, then ``--cuda-graphs``."""
         from tilecast.runtime import cuda_graphs
-        from tilecast.runtime.families.flux_fast import install_fast_paths
+        from tilecast.runtime.models.families.flux_fast import install_fast_paths
 
         install_fast_paths(pipe.transformer, backend=options.get("attention_backend"), quantize=options.get("quantize"))
         super().install_fast_paths(pipe, options)
