@@ -111,7 +111,29 @@ def _split_uploads(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str], l
             payloads.append(bytes(data))
         else:
             params[key] = str(value) if isinstance(value, os.PathLike) else value
+            _check_wire_value(key, params[key])
     return params, names, payloads
+
+
+def _check_wire_value(name: str, value: Any) -> None:
+    """``ValueError`` naming a field the wire cannot carry: an integer outside 64 bits, text that is
+    not UTF-8 (a lone surrogate). Checked here so the caller gets the field's name, not msgspec's
+    ``OverflowError`` from deep inside the send."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        raise ValueError(f"{name} = {value} does not fit in 64 bits")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} is not valid UTF-8 text ({exc.reason} at character {exc.start})") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_wire_value(f"{name}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_wire_value(f"{name}[{index}]", item)
 
 
 LARGE_UPLOAD_BYTES = 8 * 2**20

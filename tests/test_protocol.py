@@ -3,6 +3,8 @@ server must survive."""
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 import torch
@@ -174,3 +176,27 @@ def socket_that_sends(context, endpoint, frames):
     sock.send_multipart(frames)
     assert sock.poll(500) == 0  # no reply: the server dropped it
     return sock
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(seed=2**64), "seed = 18446744073709551616 does not fit in 64 bits"),
+    (dict(seed=-(2**63) - 1), "seed = -9223372036854775809 does not fit in 64 bits"),
+    (dict(prompt="a \ud800 cat"), "prompt is not valid UTF-8 text"),
+    (dict(extra={"tags": ["ok", "\udfff"]}), "extra.tags[1] is not valid UTF-8 text"),
+])
+def test_client_names_a_field_the_wire_cannot_carry(fields, named):
+    """Both clients refuse before sending (no server at this endpoint: nothing is sent)."""
+    import asyncio
+
+    from tilecast.client import AsyncClient
+
+    with Client("tcp://127.0.0.1:9", timeout=1.0) as client:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            client.submit(**({"prompt": "p"} | fields))
+
+    async def submit_async():
+        async with AsyncClient("tcp://127.0.0.1:9", timeout=1.0) as client:
+            await client.submit(**({"prompt": "p"} | fields))
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        asyncio.run(submit_async())
