@@ -1,7 +1,7 @@
 """A convolution's bias, and optionally a residual, added to a channels-last video in place: ``y += bias (+ residual)``.
 
 PyTorch adds a convolution's bias after cuDNN, in a broadcast pass that runs its generic strided
-kernel on channels-last tensors (on one H200 such passes were 10% of a K-VAE tile's decode). The
+kernel on channels-last tensors (a share of a K-VAE tile's decode: README, Performance). The
 decoder convolves without bias and adds it here: in the same pass as the residual that follows
 most of its convolutions, otherwise in a pass of its own that reads whole channel rows.
 Rounding matches PyTorch's two adds (``y + bias`` is rounded to ``y``'s dtype before the residual).

@@ -3,8 +3,7 @@
 A PiFlow step integrates a network-free policy between two DiT evaluations: up to
 ``num_policy_substeps`` Euler substeps, each interpolating the model's ``n_grid`` predictions at
 the current time. diffusers runs every substep as about fifteen broadcast PyTorch operations on
-the whole latent, about 1,300 kernel launches per step; on one H200 a large Kandinsky 6 SR tile
-spent 29 ms per step there (the kernel here: 0.4 ms). Every substep's time arithmetic is the
+the whole latent, about 1,300 kernel launches per step (times: README, Performance). Every substep's time arithmetic is the
 same for every element (one schedule per step), and every element's update reads only its own
 ``n_grid`` predictions, so the rollout is one elementwise pass: each element keeps its value in a
 register through all substeps and reads the two predictions the current time interpolates.

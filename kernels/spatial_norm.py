@@ -10,8 +10,7 @@ rows and ``W / rw`` columns); ``up`` repeats each of their pixels ``rh`` x ``rw`
 upsampling). ``reference`` is the PyTorch composition (every op rounds to ``h``'s dtype, in
 diffusers' order); ``triton_fused`` is one Triton kernel that reads ``h`` once and writes the
 result once, one program per block of pixels with the whole channel row in registers, and rounds
-to ``h``'s dtype at the same points as ``reference``. On one H200 the PyTorch composition (eager,
-or compiled by Inductor with dynamic shapes) made these norms about half of a tile's decode time.
+to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Performance).
 
 ``norm_modulate_silu`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 """

@@ -2,7 +2,7 @@
 
 The K-VAE decoder doubles frames (dropping the first copy in the first segment) and doubles rows
 and columns. Done in PyTorch as a copy from a broadcast view, that copy runs PyTorch's generic
-strided kernel (one element per thread); on one H200 these copies were 15% of a tile's decode.
+strided kernel (one element per thread), a large share of a tile's decode (README, Performance).
 ``triton_repeat`` copies whole channel rows instead, one program per block of output pixels,
 and can write into a slice of a larger buffer (``out``), such as a causal convolution's input.
 

@@ -1,9 +1,7 @@
 """Replay a module's forward as CUDA graphs, one per input signature (``--cuda-graphs``).
 
-A small diffusion step depends on the host: FLUX at 512² and batch 1 launches about a thousand
-kernels per step, and on a busy host the GPU waits between them (H200, compiled bf16 step: p50
-53.8 ms, up to 64 ms; graphed: p50 41.6 ms, at most 45.7; on a quiet host 42.5 and 41.7 ms).
-``GraphedForward`` records the whole forward once per signature (the shapes, dtypes and devices
+A small diffusion step launches many kernels (FLUX at 512² and batch 1: about a thousand per
+step), so on a busy host the GPU waits between them (README, Performance). ``GraphedForward`` records the whole forward once per signature (the shapes, dtypes and devices
 of its tensor arguments and the values of the others) and afterwards replays it with one launch:
 the arguments are copied into the graph's own input buffers, the graph runs, and its outputs are
 cloned out, so a later replay never overwrites what a caller holds.

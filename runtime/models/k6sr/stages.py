@@ -245,8 +245,7 @@ def chunk_noise(shape, seed: int, first_tile: int, dtype: torch.dtype, device) -
 
 class NoiseAhead:
     """The noise of a rank's chunks, each drawn on a worker thread while the chunk before it is
-    denoised. One large tile's draw takes ~0.1 s of one CPU core, which the GPU would otherwise wait
-    for. The values are ``chunk_noise``'s; on CUDA they are drawn into pinned memory and copied
+    denoised, so the GPU does not wait for the CPU's draw. The values are ``chunk_noise``'s; on CUDA they are drawn into pinned memory and copied
     without a device sync. ``take`` must be called in ``order``."""
 
     def __init__(self, tiles_NCTHW: torch.Tensor, ranges: list[range], order: list[int], settings: SRSettings,

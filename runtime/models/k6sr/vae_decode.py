@@ -1,13 +1,11 @@
 """tilecast's K-VAE decode: diffusers' weights and arithmetic, laid out for speed.
 
-diffusers' ``Kandinsky6SRVAE.decode`` spends most of a tile's time outside its convolutions.
-Measured on one H200 (bf16, one large-workload tile: 64 x 31 x 32 x 48 latents -> 121 frames of
-512 x 768): 3.73 s of GPU time, of which the convolutions take 1.14 s. The rest: every
-``Kandinsky6SRSpatialNorm3D`` nearest-upsamples the 64-channel latent ``zq`` to the full feature
-grid before two 1x1 convolutions (upsampling alone 16%), every causal convolution pads,
-concatenates and copies its input and its output (11%), cuDNN converts each NCDHW activation to
-channels-last and back (8%), and the fp32 RMS norm, modulation, SiLU and residual adds each make
-their own pass over memory (about 30%).
+diffusers' ``Kandinsky6SRVAE.decode`` spends most of a tile's time outside its convolutions
+(the profile is in the README, Performance): every ``Kandinsky6SRSpatialNorm3D`` nearest-upsamples
+the 64-channel latent ``zq`` to the full feature grid before two 1x1 convolutions, every causal
+convolution pads, concatenates and copies its input and its output, cuDNN converts each NCDHW
+activation to channels-last and back, and the fp32 RMS norm, modulation, SiLU and residual adds
+each make their own pass over memory.
 
 ``ChannelsLastDecoder`` computes the same function with:
 
