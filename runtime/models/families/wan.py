@@ -8,6 +8,9 @@ scheduler with ``flow_shift=3`` that the released 1.3B checkpoint ships.
 ``num_frames`` must be ``4k + 1`` (the VAE's temporal factor; diffusers would silently round
 otherwise). ``guidance_scale`` above 1 runs classifier-free guidance with each request's
 ``negative_prompt`` (default ``""``, as diffusers does).
+
+With ``--vae-config.use-parallel-decode`` and a decode group of several ranks, the VAE decode is
+split by rows across the group (``wan_decode``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,16 @@ class WanT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
+    honoured_options = DiffusersBatchPipeline.honoured_options | {"vae"}
+    """Also ``--vae-config.*``: ``wan_decode.install`` reads the parallel decode settings and warns
+    about the others."""
+
+    def __init__(self, pipe, ctx) -> None:
+        from tilecast.runtime.models.families import wan_decode  # imports diffusers' Wan VAE module
+
+        super().__init__(pipe, ctx)
+        self.parallel_decode = wan_decode.install(pipe.vae, ctx)
+        """Whether the VAE decode is split by rows across the decode group (``wan_decode``)."""
 
     def validate(self, params) -> None:
         if not 1 <= params.num_frames <= MAX_FRAMES or (params.num_frames - 1) % 4:

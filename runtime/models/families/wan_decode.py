@@ -1,0 +1,321 @@
+"""Parallel Wan VAE decode: each rank of the decode group decodes a band of rows (spatial shards).
+
+Legend: ``latents_BCTHW`` (batch, latent channels, latent frames, rows, cols); ``x_BCTHW`` a
+decoder feature map; ``x_NCHW`` the same with frames folded into the batch (``WanResample`` and
+``WanAttentionBlock`` work per frame); ``video_BCFHW`` decoded pixels (frames F).
+
+**Why spatial shards, not frame chunks.** ``AutoencoderKLWan._decode`` runs its decoder one latent
+frame at a time; every causal 3D conv (``WanCausalConv3d``, temporal kernel 3) prepends the last
+two frames of its own input from the previous call (the per-conv ``feat_cache``). A frame's output
+therefore depends on earlier frames through every conv of the decoder: the temporal receptive
+field is the sum of the convs' look-backs (two frames each, at their level's frame rate), more
+than 20 latent frames for the released 1.3B VAE (``num_res_blocks=2``), i.e. the whole of an
+81-frame video (21 latent frames). Frame chunks decoded with their true causal cache must wait for
+the chunk before (no parallelism); chunks that warm their cache up on overlap frames instead are
+approximate and would redo nearly the whole prefix. Rows have no such chain: each 3x3 conv needs one
+row of each neighbour, so a band decodes exactly with one halo row per conv, and the feature cache
+stays per band. That is what this module does, with diffusers' own ``vae.decode`` on the band; for
+the duration of the call, :func:`sharded_wan_decoder` adds forward hooks (removed after) on the
+decoder modules that mix rows:
+
+- ``WanCausalConv3d`` with row padding (the 3x3x3 convs): the layer's row padding is set to 0 and
+  a pre-hook gives its input one halo row from each neighbour (zero rows at the true top and bottom
+  edges, exactly the layer's zero padding; ``kernels.halo.halo_exchange``). **Causal cache**: the
+  callers store ``x[:, :, -2:]`` of the conv's input as the cache, i.e. on a band the band's rows
+  of the serial cache; the layer prepends that cache to its input in time. The pre-hook exchanges
+  the halo of ``cat([cache, x])`` (one exchange) and splits it back, so the halo rows of the cached
+  frames are the neighbour's cached rows, which are the serial cache's rows there. The cache needs
+  no exchange of its own; width and the causal time padding stay the layer's own.
+- ``WanResample``'s ``Conv2d`` (3x3, row padding 1) after the nearest-exact x2 upsample: one halo
+  row on ``x_NCHW``, row padding 0 meanwhile. Nearest-exact x2 maps output row ``i`` to input row
+  ``floor((i + 0.5) / 2) = i // 2``, so each band upsamples to exactly its own doubled band.
+- ``WanAttentionBlock`` (the mid block, at the lowest resolution): attention over a whole frame.
+  A pre-hook all-gathers the band rows to the full frame (``kernels.halo.gather_rows``, uneven
+  bands padded), diffusers' forward runs on the full frame, and a forward hook keeps this rank's
+  rows. Every rank so repeats the mid block's attention (a few percent of the decoder's work: it
+  runs on 1/64 of the output pixels, with the widest channels), in exchange for the same shapes,
+  hence the same bits, as the serial attention.
+- Row-local, nothing to do: ``WanRMS_norm`` (per pixel over channels), SiLU, the 1x1 convs
+  (``conv_shortcut``, ``post_quant_conv``), ``time_conv`` (kernel ``(3, 1, 1)``), ``DupUp3D``, the
+  clamp and ``unpatchify`` (Wan 2.2's patched VAE).
+
+The decoder's modules are checked against that list before anything runs: a module of another
+type, a row kernel larger than 3 or an upsample other than nearest-exact x2 makes
+:func:`sharded_wan_decoder` refuse, so a diffusers change cannot silently produce seams. The
+decoded bands are all-gathered to every rank (every rank returns the whole video, as the
+replicated decode did). diffusers' VAE tiling (``vae.enable_tiling()``) tiles each band on its own
+and is refused together with this decode.
+
+**Numerics.** The halo-extended band carries exactly the values the serial decode has on those
+rows (zero rows only at the true edges), and the attention runs on the gathered full frame, so
+only the convolutions' shapes differ from serial: the kernels may sum in another order, which moves
+fp rounding only. Measured on the tiny checkpoint's VAE in fp32 against serial ``vae.decode``
+(``tests/test_wan_decode.py``, 2 ranks / 9 frames and 3 ranks 3/3/2 / 17 frames): float max
+|diff| 2.1e-6, uint8 frames PSNR 92.6 / 93.1 dB with max diff 1/255.
+
+**Settings** (:func:`install`, called by ``WanT2VPipeline``): ``--vae-config.use-parallel-decode``
+with ``--vae-config.parallel-decode-mode spatial_shard`` means here what it means for K6 SR: split
+the height across the decode group with halo exchange, not bit-exact. For Wan the "tile" is the
+whole frame (the Wan pipeline does not tile). The decode group is ``ctx.groups.decode_group``, the
+ranks of one DP replica; with one rank per replica (``--num-gpus 2`` and no Ulysses, Ring or TP
+degree) it has one rank and the setting has no effect (a warning says so).
+``--vae-config.use-parallel-tiling`` (whole tiles) and ``--vae-config.fast-decode`` (K-VAE only)
+have no meaning for Wan and are warned about as ignored, like every other unread setting.
+
+Bands: latent rows split as evenly as possible (uneven 3/3/2 is fine,
+``k6sr.spatial_shard.shard_sizes``); a video with fewer than ``MIN_ROWS_PER_SHARD`` latent rows per
+rank, or a group of one, decodes replicated (no collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    DupUp3D,
+    WanAttentionBlock,
+    WanCausalConv3d,
+    WanDecoder3d,
+    WanMidBlock,
+    WanResample,
+    WanResidualBlock,
+    WanResidualUpBlock,
+    WanRMS_norm,
+    WanUpBlock,
+    WanUpsample,
+)
+from diffusers.models.autoencoders.vae import DecoderOutput
+from torch import nn
+
+from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_exchange
+from tilecast.runtime.config import ignored_settings
+from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
+from tilecast.runtime.models.k6sr.tile_parallel import select_decode_mode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MIN_ROWS_PER_SHARD", "ShardedWanDecode", "decode_spatial_shard", "install", "sharded_wan_decoder"]
+
+ROW_DIM = 3
+"""The row dim of ``BCTHW`` tensors (``x_NCHW``: 2)."""
+
+_ROW_LOCAL = (
+    WanDecoder3d, WanMidBlock, WanResidualBlock, WanUpBlock, WanResidualUpBlock, WanRMS_norm, DupUp3D,
+    nn.Sequential, nn.ModuleList, nn.Identity, nn.Dropout, nn.SiLU,
+)
+"""Decoder module types that only pass rows through, row by row (containers, per-pixel ops)."""
+
+
+class _Bands:
+    """The latent row bands of one sharded decode and this rank's place in them."""
+
+    def __init__(self, sizes: list[int], group) -> None:
+        self.sizes, self.group, self.index = sizes, group, group_rank(group)
+
+    def level_sizes(self, x: torch.Tensor, dim: int) -> list[int]:
+        """Every rank's rows at ``x``'s resolution (each band scaled by the same power of two)."""
+        factor, remainder = divmod(x.shape[dim], self.sizes[self.index])
+        assert remainder == 0 and factor >= 1, (tuple(x.shape), self.sizes)
+        return [rows * factor for rows in self.sizes]
+
+
+def _row_padding(module: nn.Module) -> int:
+    """Rows of zero padding a conv adds above and below (its ``(k-1)/2``-halo)."""
+    if isinstance(module, WanCausalConv3d):
+        return module._padding[2]
+    return module.padding[-2]
+
+
+def _check_row_kernel(name: str, conv: nn.Module) -> None:
+    kernel, padding = conv.kernel_size[-2], _row_padding(conv)
+    stride = conv.stride[-2]
+    if kernel > 1 and (kernel != 2 * padding + 1 or stride != 1 or conv.padding_mode != "zeros"):
+        raise RuntimeError(
+            f"Wan spatial-shard decode cannot shard {name!r} ({type(conv).__name__}: row kernel {kernel}, "
+            f"padding {padding}, stride {stride}, {conv.padding_mode} padding); decode without "
+            "--vae-config.use-parallel-decode"
+        )
+
+
+def _causal_conv_hook(group):
+    """Pre-hook of a row-padded ``WanCausalConv3d`` (row padding set to 0): halo rows on
+    ``cat([cache, x])`` in one exchange, split back into the two arguments the layer takes."""
+
+    def hook(module, args, kwargs):
+        x_BCTHW, *rest = args
+        cache_BCTHW = rest[0] if rest else kwargs.get("cache_x")
+        halo = module.tilecast_row_halo
+        if cache_BCTHW is not None and module._padding[4] > 0:  # the layer prepends the cache in time
+            cached = cache_BCTHW.shape[2]
+            both = halo_exchange(torch.cat([cache_BCTHW.to(x_BCTHW.device), x_BCTHW], dim=2), dim=ROW_DIM,
+                                 halo=halo, group=group)
+            cache_BCTHW, x_BCTHW = both[:, :, :cached], both[:, :, cached:]
+        else:
+            x_BCTHW = halo_exchange(x_BCTHW, dim=ROW_DIM, halo=halo, group=group)
+        return (x_BCTHW, cache_BCTHW), {}
+
+    return hook
+
+
+def _conv2d_hook(group):
+    """Pre-hook of ``WanResample``'s ``Conv2d`` (row padding set to 0): halo rows on ``x_NCHW``."""
+
+    def hook(module, args):
+        return (halo_exchange(args[0], dim=2, halo=module.tilecast_row_halo, group=group),)
+
+    return hook
+
+
+def _attention_hooks(bands: _Bands):
+    """Pre-hook gathering the whole frame's rows, forward hook keeping this rank's band."""
+
+    def gather(module, args):
+        x_BCTHW = args[0]
+        return (gather_rows(x_BCTHW.contiguous(), dim=ROW_DIM, sizes=bands.level_sizes(x_BCTHW, ROW_DIM),
+                            group=bands.group),)
+
+    def keep_band(module, args, output_BCTHW):
+        frame_rows = output_BCTHW.shape[ROW_DIM]
+        factor, remainder = divmod(frame_rows, sum(bands.sizes))
+        assert remainder == 0, (frame_rows, bands.sizes)
+        top = sum(bands.sizes[: bands.index]) * factor
+        return output_BCTHW.narrow(ROW_DIM, top, bands.sizes[bands.index] * factor)
+
+    return gather, keep_band
+
+
+@contextlib.contextmanager
+def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator[None]:
+    """Make ``decoder`` (a ``WanDecoder3d``) decode this rank's band of ``sizes`` latent rows.
+
+    Refuses (``RuntimeError`` naming the module) a decoder with a module it does not know how to
+    shard. Adds hooks and sets row paddings to 0 on the row-mixing modules (module docstring);
+    removes and restores them on exit, also after an error. Every decoder call inside is
+    collective over ``group``.
+    """
+    bands = _Bands(sizes, group)
+    plan: list[tuple[str, nn.Module]] = []
+    full_frame: list[str] = []  # attention blocks: their submodules see the gathered whole frame
+    for name, module in decoder.named_modules():
+        if any(name.startswith(f"{block}.") for block in full_frame):
+            continue
+        if isinstance(module, (WanCausalConv3d, nn.Conv2d)):
+            _check_row_kernel(name, module)
+            if module.kernel_size[-2] > 1:
+                plan.append(("conv", module))
+        elif isinstance(module, WanAttentionBlock):
+            plan.append(("attention", module))
+            full_frame.append(name)
+        elif isinstance(module, WanUpsample):
+            if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
+                raise RuntimeError(f"Wan spatial-shard decode expects a nearest-exact x2 upsample at {name!r}, "
+                                   f"got {module.mode} x{module.scale_factor}")
+        elif isinstance(module, WanResample):
+            if module.mode not in ("upsample2d", "upsample3d"):
+                raise RuntimeError(f"Wan spatial-shard decode cannot shard a {module.mode} resample at {name!r}")
+        elif not isinstance(module, _ROW_LOCAL):
+            raise RuntimeError(
+                f"Wan spatial-shard decode does not know decoder module {name!r} ({type(module).__name__}); "
+                "decode without --vae-config.use-parallel-decode"
+            )
+    handles: list[Any] = []
+    padded: list[tuple[nn.Module, str, tuple]] = []
+    try:
+        for kind, module in plan:
+            if kind == "attention":
+                gather, keep_band = _attention_hooks(bands)
+                handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(keep_band)]
+                continue
+            module.tilecast_row_halo = _row_padding(module)
+            if isinstance(module, WanCausalConv3d):
+                padded.append((module, "_padding", module._padding))
+                pad = list(module._padding)
+                pad[2] = pad[3] = 0
+                module._padding = tuple(pad)
+                handles.append(module.register_forward_pre_hook(_causal_conv_hook(group), with_kwargs=True))
+            else:
+                padded.append((module, "padding", module.padding))
+                module.padding = (0, module.padding[1])
+                handles.append(module.register_forward_pre_hook(_conv2d_hook(group)))
+        yield
+    finally:
+        for handle in reversed(handles):
+            handle.remove()
+        for module, attribute, value in reversed(padded):
+            setattr(module, attribute, value)
+            module.__dict__.pop("tilecast_row_halo", None)
+
+
+def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group) -> torch.Tensor:
+    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLWan``; the same latents on every rank) split
+    by rows across ``group``: the whole clamped ``video_BCFHW`` on every rank.
+
+    Decodes replicated (``vae.decode`` on every rank, no collectives) when ``group`` has one rank
+    or the latents have fewer than ``MIN_ROWS_PER_SHARD`` rows per rank. Raises ``ValueError`` when
+    diffusers' VAE tiling is enabled (it would tile each band on its own).
+    """
+    decode = type(vae).decode  # the class's method: an instance's ShardedWanDecode must not recurse
+    if getattr(vae, "use_tiling", False):
+        raise ValueError("Wan parallel VAE decode does not combine with diffusers' VAE tiling (vae.enable_tiling)")
+    num_rows = latents_BCTHW.shape[ROW_DIM]
+    sizes = shard_sizes(num_rows, group)
+    if sizes is None:
+        logger.debug("Wan decode: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
+        return decode(vae, latents_BCTHW, return_dict=False)[0]
+    index = group_rank(group)
+    band_BCTHW = latents_BCTHW.narrow(ROW_DIM, sum(sizes[:index]), sizes[index])
+    with sharded_wan_decoder(vae.decoder, sizes, group):
+        video_BCFHW = decode(vae, band_BCTHW, return_dict=False)[0]
+    factor, remainder = divmod(video_BCFHW.shape[ROW_DIM], sizes[index])
+    assert remainder == 0, (tuple(video_BCFHW.shape), sizes)
+    return gather_rows(video_BCFHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group)
+
+
+class ShardedWanDecode:
+    """Stands in for ``vae.decode`` on an ``AutoencoderKLWan`` (an instance attribute), so diffusers'
+    ``WanPipeline`` decodes through :func:`decode_spatial_shard` on ``group``; same signature and
+    return types as ``AutoencoderKLWan.decode``."""
+
+    def __init__(self, vae, group) -> None:
+        self.vae, self.group = vae, group
+
+    def __call__(self, z: torch.Tensor, return_dict: bool = True):
+        video_BCFHW = decode_spatial_shard(self.vae, z, self.group)
+        return DecoderOutput(sample=video_BCFHW) if return_dict else (video_BCFHW,)
+
+    def __repr__(self) -> str:
+        return f"ShardedWanDecode(group of {group_size(self.group)} ranks)"
+
+
+HONOURED_VAE_SETTINGS = frozenset({"use_parallel_decode", "parallel_decode_mode"})
+"""The ``--vae-config.*`` settings Wan reads (the others are K6 SR's)."""
+
+
+def install(vae, ctx) -> bool:
+    """Make ``vae.decode`` the sharded decode over ``ctx.groups.decode_group`` when
+    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
+    whether it did. Warns (rank 0) about the ``--vae-config.*`` settings Wan does not read, and when
+    the decode group has one rank. Raises ``ValueError`` for a decode mode other than
+    ``spatial_shard``."""
+    vae_options = dict(ctx.options.get("vae") or {})
+    group = ctx.groups.decode_group if ctx.groups is not None else None
+    num_ranks = group_size(group) if group is not None else 1
+    mode = select_decode_mode({k: v for k, v in vae_options.items() if k in HONOURED_VAE_SETTINGS}, num_ranks)
+    if ctx.rank == 0:
+        unread = {k: v for k, v in vae_options.items() if k not in HONOURED_VAE_SETTINGS}
+        for setting in ignored_settings({"vae": unread}, ()):
+            logger.warning("wan2.1-t2v: %s is ignored (a K6 SR tile setting; Wan decodes whole frames)", setting)
+        if vae_options.get("use_parallel_decode") and mode == "serial":
+            logger.warning(
+                "wan2.1-t2v: --vae-config.use-parallel-decode has no effect: the decode group (the ranks of one "
+                "data-parallel replica) has one rank; give a replica several ranks with --ulysses-degree, "
+                "--ring-degree or --tp-size"
+            )
+    if mode != "spatial_shard":
+        return False
+    vae.decode = ShardedWanDecode(vae, group)
+    logger.info("wan2.1-t2v: VAE decode split by rows across the decode group of %d ranks", num_ranks)
+    return True
