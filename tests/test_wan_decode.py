@@ -19,7 +19,8 @@ bands *without* the halo hooks (independent bands, zero-padded edges) is off by 
 
 The pipeline test runs ``WanT2VPipeline`` on 2 ranks whose decode group spans both (Ulysses
 degree 2, so one DP replica of 2 ranks; the families still compute the DiT replicated) with
-``--vae-config.use-parallel-decode`` and compares its output with the same rank's serial pipeline.
+``--vae-config.use-parallel-decode`` and compares its output with the same rank's serial pipeline
+(measured: max |diff| 4.8e-7 on the ``[0, 1]`` frames, 9 frames of 64 x 32 px).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def serial_decode(rows: int, latent_frames: int) -> torch.Tensor:
 
 
 def hooks_left(vae) -> list[str]:
-    """Decoder modules that still carry a hook, a changed padding or a tilecast attribute."""
+    """Decoder modules that still carry a hook or a changed row padding."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
     left = []
     for name, module in vae.decoder.named_modules():
-        if module._forward_hooks or module._forward_pre_hooks or "tilecast_row_halo" in vars(module):
+        if module._forward_hooks or module._forward_pre_hooks:
             left.append(name)
         elif isinstance(module, WanCausalConv3d) and module.kernel_size[1] == 3 and module._padding[2] != 1:
             left.append(name)
@@ -164,6 +165,7 @@ def test_wan_pipeline_decodes_in_parallel_on_two_ranks(tiny_cache):
         assert result["parallel"].shape == (9, 3, 64, 32)
         assert torch.equal(result["parallel"], results[0]["parallel"]), f"rank {rank} differs from rank 0"
         diff = (result["parallel"] - result["serial"]).abs().max().item()
+        print(f"\nWanT2VPipeline rank {rank}: parallel vs serial decode, max |diff| {diff:.3g} on [0, 1] frames")
         assert diff <= FLOAT_BOUND, (rank, diff)
 
 

@@ -109,19 +109,6 @@ _ROW_LOCAL = (
 """Decoder module types that only pass rows through, row by row (containers, per-pixel ops)."""
 
 
-class _Bands:
-    """The latent row bands of one sharded decode and this rank's place in them."""
-
-    def __init__(self, sizes: list[int], group) -> None:
-        self.sizes, self.group, self.index = sizes, group, group_rank(group)
-
-    def level_sizes(self, x: torch.Tensor, dim: int) -> list[int]:
-        """Every rank's rows at ``x``'s resolution (each band scaled by the same power of two)."""
-        factor, remainder = divmod(x.shape[dim], self.sizes[self.index])
-        assert remainder == 0 and factor >= 1, (tuple(x.shape), self.sizes)
-        return [rows * factor for rows in self.sizes]
-
-
 def _row_padding(module: nn.Module) -> int:
     """Rows of zero padding a conv adds above and below (its ``(k-1)/2``-halo)."""
     if isinstance(module, WanCausalConv3d):
@@ -140,14 +127,13 @@ def _check_row_kernel(name: str, conv: nn.Module) -> None:
         )
 
 
-def _causal_conv_hook(group):
-    """Pre-hook of a row-padded ``WanCausalConv3d`` (row padding set to 0): halo rows on
+def _causal_conv_hook(halo: int, group):
+    """Pre-hook of a row-padded ``WanCausalConv3d`` (row padding set to 0): ``halo`` rows on
     ``cat([cache, x])`` in one exchange, split back into the two arguments the layer takes."""
 
     def hook(module, args, kwargs):
         x_BCTHW, *rest = args
         cache_BCTHW = rest[0] if rest else kwargs.get("cache_x")
-        halo = module.tilecast_row_halo
         if cache_BCTHW is not None and module._padding[4] > 0:  # the layer prepends the cache in time
             cached = cache_BCTHW.shape[2]
             both = halo_exchange(torch.cat([cache_BCTHW.to(x_BCTHW.device), x_BCTHW], dim=2), dim=ROW_DIM,
@@ -160,29 +146,30 @@ def _causal_conv_hook(group):
     return hook
 
 
-def _conv2d_hook(group):
-    """Pre-hook of ``WanResample``'s ``Conv2d`` (row padding set to 0): halo rows on ``x_NCHW``."""
+def _conv2d_hook(halo: int, group):
+    """Pre-hook of ``WanResample``'s ``Conv2d`` (row padding set to 0): ``halo`` rows on ``x_NCHW``."""
 
     def hook(module, args):
-        return (halo_exchange(args[0], dim=2, halo=module.tilecast_row_halo, group=group),)
+        return (halo_exchange(args[0], dim=2, halo=halo, group=group),)
 
     return hook
 
 
-def _attention_hooks(bands: _Bands):
-    """Pre-hook gathering the whole frame's rows, forward hook keeping this rank's band."""
+def _attention_hooks(sizes: list[int], group):
+    """Pre-hook gathering the whole frame's rows, forward hook keeping this rank's band (``sizes``:
+    every rank's latent rows; the block may run at any power-of-two multiple of them)."""
+    index = group_rank(group)
 
     def gather(module, args):
         x_BCTHW = args[0]
-        return (gather_rows(x_BCTHW.contiguous(), dim=ROW_DIM, sizes=bands.level_sizes(x_BCTHW, ROW_DIM),
-                            group=bands.group),)
+        factor, remainder = divmod(x_BCTHW.shape[ROW_DIM], sizes[index])
+        assert remainder == 0, (tuple(x_BCTHW.shape), sizes)
+        return (gather_rows(x_BCTHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group),)
 
     def keep_band(module, args, output_BCTHW):
-        frame_rows = output_BCTHW.shape[ROW_DIM]
-        factor, remainder = divmod(frame_rows, sum(bands.sizes))
-        assert remainder == 0, (frame_rows, bands.sizes)
-        top = sum(bands.sizes[: bands.index]) * factor
-        return output_BCTHW.narrow(ROW_DIM, top, bands.sizes[bands.index] * factor)
+        factor, remainder = divmod(output_BCTHW.shape[ROW_DIM], sum(sizes))
+        assert remainder == 0, (tuple(output_BCTHW.shape), sizes)
+        return output_BCTHW.narrow(ROW_DIM, sum(sizes[:index]) * factor, sizes[index] * factor)
 
     return gather, keep_band
 
@@ -196,7 +183,6 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
     removes and restores them on exit, also after an error. Every decoder call inside is
     collective over ``group``.
     """
-    bands = _Bands(sizes, group)
     plan: list[tuple[str, nn.Module]] = []
     full_frame: list[str] = []  # attention blocks: their submodules see the gathered whole frame
     for name, module in decoder.named_modules():
@@ -226,27 +212,26 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
     try:
         for kind, module in plan:
             if kind == "attention":
-                gather, keep_band = _attention_hooks(bands)
+                gather, keep_band = _attention_hooks(sizes, group)
                 handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(keep_band)]
                 continue
-            module.tilecast_row_halo = _row_padding(module)
+            halo = _row_padding(module)
             if isinstance(module, WanCausalConv3d):
                 padded.append((module, "_padding", module._padding))
                 pad = list(module._padding)
                 pad[2] = pad[3] = 0
                 module._padding = tuple(pad)
-                handles.append(module.register_forward_pre_hook(_causal_conv_hook(group), with_kwargs=True))
+                handles.append(module.register_forward_pre_hook(_causal_conv_hook(halo, group), with_kwargs=True))
             else:
                 padded.append((module, "padding", module.padding))
                 module.padding = (0, module.padding[1])
-                handles.append(module.register_forward_pre_hook(_conv2d_hook(group)))
+                handles.append(module.register_forward_pre_hook(_conv2d_hook(halo, group)))
         yield
     finally:
         for handle in reversed(handles):
             handle.remove()
         for module, attribute, value in reversed(padded):
             setattr(module, attribute, value)
-            module.__dict__.pop("tilecast_row_halo", None)
 
 
 def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group) -> torch.Tensor:
