@@ -37,7 +37,7 @@ rows:
   H200, below), in exchange for the same shapes, hence the same bits, as the serial attention.
 - Row-local, nothing to do: ``WanRMS_norm`` (per pixel over channels), SiLU, the 1x1 convs
   (``conv_shortcut``, ``post_quant_conv``), ``time_conv`` (kernel ``(3, 1, 1)``), ``DupUp3D``, the
-  clamp and ``unpatchify`` (Wan 2.2's patched VAE).
+  clamp and ``unpatchify`` (Wan 2.2's patched VAE; tested on a narrow copy of its structure).
 
 The decoder's modules are checked against that list before anything runs: a module of another
 type, a row-mixing conv that is not stride 1 with zero "same" padding, or an upsample other than
@@ -191,7 +191,7 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
     removes and restores them on exit, also after an error. Every decoder call inside is
     collective over ``group``.
     """
-    plan: list[tuple[str, nn.Module]] = []
+    plan: list[nn.Module] = []  # the row-mixing modules, in decoder order
     full_frame: list[str] = []  # attention blocks: their submodules see the gathered whole frame
     for name, module in decoder.named_modules():
         if any(name.startswith(f"{block}.") for block in full_frame):
@@ -199,9 +199,9 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
         if isinstance(module, (WanCausalConv3d, nn.Conv2d)):
             _check_row_kernel(name, module)
             if module.kernel_size[-2] > 1:
-                plan.append(("conv", module))
+                plan.append(module)
         elif isinstance(module, WanAttentionBlock):
-            plan.append(("attention", module))
+            plan.append(module)
             full_frame.append(name)
         elif isinstance(module, WanUpsample):
             if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
@@ -218,8 +218,8 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
     handles: list[Any] = []
     padded: list[tuple[nn.Module, str, tuple]] = []
     try:
-        for kind, module in plan:
-            if kind == "attention":
+        for module in plan:
+            if isinstance(module, WanAttentionBlock):
                 gather, keep_band = _attention_hooks(sizes, group)
                 handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(keep_band)]
                 continue
