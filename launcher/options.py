@@ -171,13 +171,17 @@ def build_config(values: dict[str, Any]) -> ServeConfig:
     """The validated ``ServeConfig`` of ``values``; ``ValueError`` names the bad value.
 
     With none of the three degrees given, the layout is picked: the largest Ulysses degree that
-    divides both the GPU count and the model's heads, the rest in Ring."""
+    divides both the GPU count (of one replica group with ``dp_degree``) and the model's heads, the
+    rest in Ring."""
     values = dict(values)
     degrees = ("tp_size", "ulysses_degree", "ring_degree")
     if not any(name in values for name in degrees):
         from tilecast.runtime.picker import suggest_topology
 
         num_gpus = values.get("num_gpus", 1)
+        dp_degree = values.get("dp_degree")
+        if isinstance(num_gpus, int) and isinstance(dp_degree, int) and dp_degree >= 1:
+            num_gpus //= dp_degree  # the layout of one data-parallel replica group
         num_heads = model_num_heads(values.get("model_path", "tiny/k6sr"))
         layout = suggest_topology(num_gpus, num_heads=num_heads or 0) if isinstance(num_gpus, int) and num_gpus >= 1 else None
         if layout is not None:

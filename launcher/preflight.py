@@ -1,7 +1,9 @@
 """Checks a ``serve``/``generate`` command line must pass before any rank starts.
 
-``validate_topology`` refuses only on the one rule set's errors (``Topology.check``: the layout,
-the model's DiT, the attention kernels, FSDP); the deployment guide's recipe rules
+``validate_topology`` refuses only on the one rule set's errors (``Topology.check``: the layout
+with ``--dp-degree``, the model's DiT, the attention kernels, FSDP); what ``serve``'s replica
+groups cannot honour (``replicas.replica_errors``) is refused by every rank at start-up, before the
+model loads (``start_rank``). The deployment guide's recipe rules
 (``runtime/picker.py``) are printed as warnings on rank 0 and never refuse. Under torchrun the
 world size is ``--num-gpus`` on all nodes together (``launcher/cli.py`` checks it against
 ``WORLD_SIZE``); only this node's ranks (``LOCAL_WORLD_SIZE``) need a CUDA device here.
@@ -29,8 +31,8 @@ def topology_errors(config: ServeConfig) -> list[str]:
     limits = model_limits(config.model_path)
     return Topology.check(
         num_gpus=config.num_gpus, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, num_heads=limits.num_heads, ff_dim=limits.ff_dim,
-        attention_backend=config.attention_backend,
+        ring_degree=config.ring_degree, dp_degree=config.dp_degree, num_heads=limits.num_heads,
+        ff_dim=limits.ff_dim, attention_backend=config.attention_backend,
         fsdp=bool(config.use_fsdp_inference),
     )
 

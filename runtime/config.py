@@ -87,6 +87,10 @@ class ServeConfig:
     """Ulysses (all-to-all) sequence-parallel degree."""
     ring_degree: int = setting(1, section="parallel", ge=1, picked=True, metavar="N")
     """Ring sequence-parallel degree."""
+    dp_degree: int | None = setting(None, section="parallel", ge=1, metavar="N")
+    """Data-parallel replica groups, each a full copy of the model serving its own batches (``serve``:
+    rank 0 dispatches different batches to different groups at once). Must equal ``num_gpus / (TP x
+    Ulysses x Ring)``; unset: that quotient (``--tile-parallel`` then keeps one group of all ranks)."""
     tile_parallel: bool = setting(False, section="parallel")
     """Deal whole tile chunks to data-parallel groups for the DiT too (identical output)."""
     # -- VAE decode

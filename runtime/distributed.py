@@ -1,4 +1,5 @@
-"""Process groups for one tilecast run, and the plan broadcast over the CPU group.
+"""Process groups for one tilecast run, and the plan broadcast over a CPU group (the world's, or
+one replica group's: ``broadcast_plan_in``, ``group_ok``).
 
 Under torchrun every rank calls ``init_ranks``: gloo on CPU; on CUDA, NCCL for device tensors
 plus a gloo group for plans and small CPU collectives. Outside torchrun (one rank, no
@@ -117,21 +118,35 @@ def broadcast_bytes(data: bytes | None, ranks: Ranks) -> bytes:
     if not ranks.distributed:
         assert data is not None
         return data
-    length = torch.tensor([len(data) if ranks.rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0, group=ranks.cpu_group)
-    if ranks.rank == 0:
+    return broadcast_bytes_in(data, group=ranks.cpu_group, src=0, is_src=ranks.rank == 0)
+
+
+def broadcast_bytes_in(data: bytes | None, *, group, src: int, is_src: bool) -> bytes:
+    """Global rank ``src``'s ``data`` on every rank of ``group`` (a CPU group; None: one rank)."""
+    if group is None:
+        assert data is not None
+        return data
+    length = torch.tensor([len(data) if is_src else 0], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    if is_src:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     else:
         buf = torch.empty(int(length.item()), dtype=torch.uint8)
     if buf.numel():
-        dist.broadcast(buf, src=0, group=ranks.cpu_group)
-    return data if ranks.rank == 0 else buf.numpy().tobytes()
+        dist.broadcast(buf, src=src, group=group)
+    return data if is_src else buf.numpy().tobytes()
 
 
 def broadcast_plan(plan: P.Plan | None, ranks: Ranks) -> P.Plan:
     """Rank 0 passes the plan; every rank returns it."""
     data = broadcast_bytes(P.encode_plan(plan) if ranks.rank == 0 else None, ranks)
     return plan if ranks.rank == 0 else P.decode_plan(data)
+
+
+def broadcast_plan_in(plan: P.Plan | None, *, group, src: int, is_src: bool) -> P.Plan:
+    """The plan of global rank ``src`` (a replica group's leader) on every rank of ``group``."""
+    data = broadcast_bytes_in(P.encode_plan(plan) if is_src else None, group=group, src=src, is_src=is_src)
+    return plan if is_src else P.decode_plan(data)
 
 
 def broadcast_flag(flag: bool, group) -> bool:
@@ -143,8 +158,13 @@ def broadcast_flag(flag: bool, group) -> bool:
 
 def all_ranks_ok(ok: bool, ranks: Ranks) -> bool:
     """True when ``ok`` holds on every rank (so all ranks agree a unit of work failed)."""
-    if not ranks.distributed:
+    return group_ok(ok, ranks.cpu_group if ranks.distributed else None)
+
+
+def group_ok(ok: bool, group) -> bool:
+    """True when ``ok`` holds on every rank of ``group`` (a CPU group; None: this rank alone)."""
+    if group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.cpu_group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

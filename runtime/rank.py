@@ -18,6 +18,7 @@ from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import Ranks, all_ranks_ok, init_ranks
 from tilecast.runtime.pipeline import Pipeline, RankContext
 from tilecast.runtime.registry import resolve_pipeline
+from tilecast.runtime.replicas import Replica, ReplicaLayout, build_replica, layout_of, replica_context
 from tilecast.runtime.watchdog import ProgressBeat
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class RankRuntime:
     pipeline: Pipeline
     ctx: RankContext
     beat: ProgressBeat
+    replica: Replica
+    """This rank's serving group (``runtime/replicas.py``): all ranks unless serving replica groups."""
 
 
 def write_pid_file(rank: int) -> None:
@@ -116,13 +119,20 @@ def build_groups(config: ServeConfig, ranks: Ranks):
 
     topology = Topology(
         num_gpus=ranks.world_size, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, attention_backend=config.attention_backend,
+        ring_degree=config.ring_degree, dp_degree=getattr(config, "dp_degree", None),
+        attention_backend=config.attention_backend,
     )
     return topology.groups(topology.build_mesh(ranks.device.type))
 
 
-def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] | None = None) -> RankRuntime:
-    """Process groups, pipeline load on every rank; raises on every rank if any rank failed to load."""
+def start_rank(
+    config: ServeConfig, *, on_progress: Callable[[int, int], None] | None = None, replicas: bool = False,
+) -> RankRuntime:
+    """Process groups, pipeline load on every rank; raises on every rank if any rank failed to load.
+
+    ``replicas`` (``tilecast serve``): split the ranks into serving groups (``replicas.layout_of``) and
+    load the pipeline with this rank's group as its run (``replica_context``). Otherwise (``generate``)
+    one group of all ranks."""
     ranks = init_ranks(config.device, timeout_s=config.stuck_timeout_s + 60.0)
     write_pid_file(ranks.rank)
     beat = ProgressBeat()
@@ -139,6 +149,11 @@ def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] |
         device_group=ranks.device_group, output_dir=config.output_dir, options=config.pipeline_options(),
         on_progress=progress, heartbeat=beat.tick, groups=build_groups(config, ranks),
     )
+    layout = layout_of(config, ranks.world_size) if replicas else ReplicaLayout(groups=(tuple(range(ranks.world_size)),))
+    replica = build_replica(layout, ranks, ctx.groups)
+    ctx = replica_context(ctx, replica)
+    if ranks.rank == 0 and layout.num_groups > 1:
+        logger.info("serving in %s", layout.describe())
     error = None
     pipeline = None
     try:
@@ -151,4 +166,4 @@ def start_rank(config: ServeConfig, *, on_progress: Callable[[int, int], None] |
         if error is not None:
             raise error
         raise RuntimeError("another rank failed to load the model (see its log)")
-    return RankRuntime(config=config, ranks=ranks, pipeline=pipeline, ctx=ctx, beat=beat)
+    return RankRuntime(config=config, ranks=ranks, pipeline=pipeline, ctx=ctx, beat=beat, replica=replica)

@@ -4,6 +4,12 @@ Rank 0 runs the router socket thread, the scheduler thread and the watchdog, and
 its main thread; every other rank computes and sends heartbeats. A dead or stuck rank, a failed
 collective or a signal ends the whole run: every job gets a terminal state and a clear error,
 then rank 0 exits (non-zero on failure), which makes torchrun stop the remaining ranks.
+
+With data-parallel replica groups (``runtime/replicas.py``) rank 0 computes for group 0 and also
+runs ``ReplicaHub``, the socket to the leaders of the other groups (``runtime/replica_link.py``);
+each of those leaders runs a ``ReplicaLink`` thread next to its group's compute loop. The
+scheduler thread dispatches to every group while rank 0's main thread computes, and a dead rank in
+any group fails every job of every group (the watchdog covers all ranks).
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import signal
 import threading
 import time
 
+import msgspec
 import zmq
 
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import broadcast_bytes, shutdown_ranks
 from tilecast.runtime.pipeline import PlanHooks
+from tilecast.runtime.replica_link import ReplicaHub, ReplicaLink
 from tilecast.runtime.settings import describe
 from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
 from tilecast.runtime.watchdog import HeartbeatSender, Watchdog
@@ -32,6 +40,19 @@ from tilecast.scheduler.scheduler import DEAD, Scheduler
 logger = logging.getLogger(__name__)
 
 
+REPLICA_CONNECT_TIMEOUT_S = 60.0
+"""How long rank 0 waits at start-up for the other replica groups' leaders to connect."""
+
+
+class _Endpoints(msgspec.Struct, frozen=True):
+    """What rank 0 tells every rank at start-up."""
+
+    heartbeat: str
+    """The watchdog's PULL socket."""
+    replicas: str | None = None
+    """``ReplicaHub``'s ROUTER socket (None with one serving group)."""
+
+
 class RankZero:
     """Rank 0's threads and the one-way door to a terminal exit."""
 
@@ -40,13 +61,19 @@ class RankZero:
         self.rt = rt
         self.exit_process = exit_process
         max_message_bytes = int(config.max_message_mb * 2**20)
+        self.hub: ReplicaHub | None = None
+        """The socket to the other replica groups' leaders (None with one group)."""
+        groups = self._layout_groups(rt)
+        if len(groups) > 1:
+            self.hub = ReplicaHub(num_groups=len(groups), deliver=lambda event: self.scheduler.inbox.put(event))
         self.scheduler = Scheduler(
             pipeline=rt.pipeline, send=self._send, batching=config.batching,
             max_queued=config.max_queued_requests, world_size=rt.ranks.world_size,
             outputs=OutputStore(config.output_dir, retention_s=config.output_retention_s,
                                 max_stored=config.max_stored_outputs),
             max_queued_upload_bytes=int(config.max_queued_upload_mb * 2**20), max_message_bytes=max_message_bytes,
-            wire_stats=lambda: self.sockets.stats(),
+            wire_stats=lambda: self.sockets.stats(), groups=groups,
+            dispatch=self.hub.send_plan if self.hub else None, cancel_plan=self.hub.cancel if self.hub else None,
         )
         self.sockets = SocketThread(
             config.endpoint, lambda peer, frames: self.scheduler.inbox.put(("msg", peer, frames)),
@@ -56,7 +83,7 @@ class RankZero:
         self.watchdog = Watchdog(
             world_size=rt.ranks.world_size, beat=rt.beat,
             config=config.watchdog,
-            on_fatal=self.fail,
+            on_fatal=self.fail, groups=groups,
         )
         self.http = None
         """The OpenAI-style HTTP front end (``--http-port``), a ZeroMQ client of this scheduler."""
@@ -71,6 +98,15 @@ class RankZero:
         self._exit_lock = threading.Lock()
         self._exiting = False
 
+    @staticmethod
+    def _layout_groups(rt: RankRuntime) -> tuple[tuple[int, ...], ...]:
+        """Global ranks of every serving group (one group of all ranks without replicas)."""
+        from tilecast.runtime.replicas import layout_of
+
+        if rt.replica.num_groups == 1:
+            return (tuple(range(rt.ranks.world_size)),)
+        return layout_of(rt.config, rt.ranks.world_size).groups
+
     def _send(self, peer, frames: list) -> None:
         self.sockets.send(peer, frames)
 
@@ -78,6 +114,8 @@ class RankZero:
         self.scheduler.start()
         self.sockets.start()
         self.watchdog.start()
+        if self.hub is not None:
+            self.hub.start()
         if self.http is not None:
             self.http.start()
 
@@ -92,8 +130,16 @@ class RankZero:
         compute_loop(
             ranks=rt.ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
             next_plan=queue_source(self.scheduler.work),
-            on_done=lambda seq, result: inbox.put(("done", seq, result)), hooks=hooks,
+            on_done=lambda seq, result: inbox.put(("done", seq, result)), hooks=hooks, replica=rt.replica,
         )
+
+    def wait_for_replicas(self, timeout: float) -> None:
+        """Every other group's leader connected (``ReplicaHello``), or the run fails naming the missing ones."""
+        if self.hub is None:
+            return
+        missing = self.hub.wait_ready(timeout)
+        if missing:
+            self.fail(f"replica group(s) {missing} did not connect to rank 0 within {timeout:.0f} s")
 
     def announce(self) -> ReadyInfo:
         """Once both sockets are bound: the ready line on stdout, and the ready file (``--ready-file``)."""
@@ -130,6 +176,8 @@ class RankZero:
             self.stop_http()
         self.sockets.stop()
         self.watchdog.stop()
+        if self.hub is not None:
+            self.hub.stop()
         if self.exit_process:
             self.forget_ready_file()
             logging.shutdown()
@@ -169,18 +217,20 @@ def serve(config: ServeConfig) -> int:
     configure_logging(int(os.environ.get("RANK", "0")))
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info("effective settings:\n%s", describe(config))
-    rt = start_rank(config)
+    rt = start_rank(config, replicas=True)
     ranks = rt.ranks
     if ranks.rank == 0:
         zero = RankZero(rt)
         holder["zero"] = zero
-        endpoint = zero.watchdog.endpoint
-        broadcast_bytes(endpoint.encode(), ranks)
+        endpoints = _Endpoints(heartbeat=zero.watchdog.endpoint, replicas=zero.hub.endpoint if zero.hub else None)
+        broadcast_bytes(msgspec.json.encode(endpoints), ranks)
         zero.start()
+        zero.wait_for_replicas(REPLICA_CONNECT_TIMEOUT_S)
         zero.announce()
         logger.info(
-            "tilecast serving %s on %s: %d rank(s), device %s, batching %s",
-            rt.pipeline.model_name, zero.sockets.bound_endpoint, ranks.world_size, config.device,
+            "tilecast serving %s on %s: %d rank(s)%s, device %s, batching %s",
+            rt.pipeline.model_name, zero.sockets.bound_endpoint, ranks.world_size,
+            f" in {rt.replica.num_groups} replica groups" if rt.replica.num_groups > 1 else "", config.device,
             f"dynamic (max {config.batching_max_size})" if zero.scheduler.batching.user_max > 1 else "off",
         )
         try:
@@ -191,17 +241,30 @@ def serve(config: ServeConfig) -> int:
         zero.stop_http()
         time.sleep(0.3)  # final replies (shutdown acknowledgements) reach the socket thread
         zero.sockets.stop()
+        if zero.hub is not None:
+            zero.hub.stop()
         zero.forget_ready_file()
         logger.info("tilecast stopped")
     else:
-        endpoint = broadcast_bytes(None, ranks).decode()
-        sender = HeartbeatSender(endpoint, ranks.rank, rt.beat, config.watchdog.heartbeat_interval_s)
+        endpoints = msgspec.json.decode(broadcast_bytes(None, ranks), type=_Endpoints)
+        sender = HeartbeatSender(endpoints.heartbeat, ranks.rank, rt.beat, config.watchdog.heartbeat_interval_s)
         sender.start()
+        link = None
+        if rt.replica.is_leader:  # the leader of a replica group other than rank 0's
+            assert endpoints.replicas is not None and rt.replica.index > 0
+            link = ReplicaLink(endpoints.replicas, group=rt.replica.index, rank=ranks.rank)
+            link.start()
         try:
-            compute_loop(ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat, next_plan=None, on_done=None)
+            compute_loop(
+                ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat, replica=rt.replica,
+                next_plan=link.next_plan if link else None, on_done=link.done if link else None,
+                hooks=link.hooks if link else None,
+            )
         except Exception as exc:  # noqa: BLE001
             logger.error("rank %d: collective failed (%s); exiting", ranks.rank, exc)
             os._exit(1)
+        if link is not None:
+            link.stop()
         sender.stop()
     rt.pipeline.close()
     shutdown_ranks(ranks)

@@ -109,8 +109,11 @@ class Watchdog(threading.Thread):
         config: WatchdogConfig,
         on_fatal: Callable[[str], None],
         clock=time.monotonic,
+        groups: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         super().__init__(name="tilecast-watchdog", daemon=True)
+        self.groups = groups or (tuple(range(world_size)),)
+        """Ranks that run plans together (serving replica groups); the stuck rule applies per group."""
         self.world_size, self.beat, self.config, self.on_fatal, self.clock = world_size, beat, config, on_fatal, clock
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -162,11 +165,13 @@ class Watchdog(threading.Thread):
             silent = now - seen
             if silent > self.config.heartbeat_timeout_s:
                 return f"rank {rank} sent no heartbeat for {silent:.1f} s (process died or hung hard)"
-        still = {rank: now - changed_at for rank, (_, changed_at) in self.progress.items() if self.busy[rank]}
-        if still and min(still.values()) > self.config.stuck_timeout_s:
-            # No busy rank moves: name the one that stopped first (the others wait for it in a collective).
-            rank = max(still, key=still.get)
-            return f"rank {rank} made no progress for {still[rank]:.1f} s (stuck; --stuck-timeout-s)"
+        for group in self.groups:
+            still = {rank: now - self.progress[rank][1] for rank in group if self.busy[rank]}
+            if still and min(still.values()) > self.config.stuck_timeout_s:
+                # No busy rank of the group moves: name the one that stopped first (the others wait
+                # for it in a collective).
+                rank = max(still, key=still.get)
+                return f"rank {rank} made no progress for {still[rank]:.1f} s (stuck; --stuck-timeout-s)"
         # Rank 0 idles by broadcasting every second; a silent rank 0 counter means its loop is blocked.
         counter0, changed0 = self.progress[0]
         if not self.busy[0] and now - changed0 > self.config.stuck_timeout_s:

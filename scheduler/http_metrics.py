@@ -2,8 +2,9 @@
 
 Honest about the source of each figure:
 
-- ``tilecast_up``, ``tilecast_queue_depth``, ``tilecast_jobs{state}``, ``tilecast_batch_*``: the
-  scheduler's ``stats`` snapshot at scrape time (all clients, ZeroMQ and HTTP alike).
+- ``tilecast_up``, ``tilecast_queue_depth``, ``tilecast_jobs{state}``, ``tilecast_batch_*``,
+  ``tilecast_replica_*{group}`` (each data-parallel replica group's load): the scheduler's ``stats``
+  snapshot at scrape time (all clients, ZeroMQ and HTTP alike).
 - ``tilecast_http_requests_total``, ``tilecast_http_request_duration_seconds``: measured here.
 - ``tilecast_job_duration_seconds`` (created -> finished), ``tilecast_job_queue_seconds`` (created ->
   started): scheduler timestamps of jobs submitted over HTTP, recorded when they end.
@@ -155,6 +156,17 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
                 for reason, count in sorted((stats.get("refused") or {}).items())])
     out.family("tilecast_dropped_replies", "counter", "Replies that could not be delivered (client gone or saturated).",
                [("tilecast_dropped_replies_total", {}, stats.get("dropped_replies", 0))])
+    groups = stats.get("groups") or []
+    out.family("tilecast_replica_busy", "gauge", "Whether each data-parallel replica group is running a batch (1) or idle (0).",
+               [("tilecast_replica_busy", {"group": str(g["group"])}, 1 if g.get("busy") else 0) for g in groups])
+    out.family("tilecast_replica_jobs_done", "counter", "Jobs whose batch ended on each replica group (any outcome).",
+               [("tilecast_replica_jobs_done_total", {"group": str(g["group"])}, g.get("jobs_done", 0)) for g in groups])
+    out.family("tilecast_replica_jobs_completed", "counter", "Jobs each replica group completed.",
+               [("tilecast_replica_jobs_completed_total", {"group": str(g["group"])}, g.get("jobs_completed", 0))
+                for g in groups])
+    out.family("tilecast_replica_busy_seconds", "counter", "Time each replica group spent running batches.",
+               [("tilecast_replica_busy_seconds_total", {"group": str(g["group"])}, g.get("busy_seconds", 0.0))
+                for g in groups])
     out.simple("tilecast_stored_outputs", "gauge", "Finished jobs whose output files are on disk.",
                stats.get("stored_outputs", 0))
     out.family("tilecast_deleted_outputs", "counter",

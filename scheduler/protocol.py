@@ -160,6 +160,45 @@ class Plan(_Msg):
 
 
 # ---------------------------------------------------------------------------------------------
+# Rank 0 <-> the leaders of the other data-parallel replica groups (runtime/replica_link.py)
+# ---------------------------------------------------------------------------------------------
+class ReplicaHello(_Msg):
+    """A group leader's first message: which group it leads."""
+
+    group: int
+    rank: int
+
+
+class ReplicaCancel(_Msg):
+    """Rank 0 -> a leader: every job of running plan ``seq`` was cancelled (stop at a cancel point)."""
+
+    seq: int
+
+
+class ReplicaProgress(_Msg):
+    seq: int
+    fraction: float
+
+
+class ReplicaOutput(_Msg):
+    """One item's ``Output`` from a group leader: file paths on the shared filesystem, tensors as frames."""
+
+    files: list[OutputMeta] = []
+    tensors: list[OutputMeta] = []
+    """One extra frame each, in order (after the frames of the earlier outputs)."""
+    info: dict[str, Any] = {}
+
+
+class ReplicaDone(_Msg):
+    """A leader -> rank 0: plan ``seq`` ended ``ok`` (``outputs``), ``cancelled`` or ``failed`` (``error``)."""
+
+    seq: int
+    status: str
+    error: str | None = None
+    outputs: list[ReplicaOutput] = []
+
+
+# ---------------------------------------------------------------------------------------------
 # Framing
 # ---------------------------------------------------------------------------------------------
 REQUEST_TYPES: dict[bytes, type[msgspec.Struct]] = {
@@ -179,8 +218,17 @@ REPLY_TYPES: dict[bytes, type[msgspec.Struct]] = {
     b"t": StatsReply,
     b"e": ErrorReply,
 }
-_TYPE_BYTE = {cls: tag for tag, cls in {**REQUEST_TYPES, **REPLY_TYPES}.items()}
-_DECODERS = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in {**REQUEST_TYPES, **REPLY_TYPES}.items()}
+REPLICA_TYPES: dict[bytes, type[msgspec.Struct]] = {
+    b"p": Plan,
+    b"k": ReplicaCancel,
+    b"i": ReplicaHello,
+    b"g": ReplicaProgress,
+    b"d": ReplicaDone,
+}
+"""Between rank 0 and the replica group leaders only (never accepted from clients)."""
+_ALL_TYPES = {**REQUEST_TYPES, **REPLY_TYPES, **REPLICA_TYPES}
+_TYPE_BYTE = {cls: tag for tag, cls in _ALL_TYPES.items()}
+_DECODERS = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in _ALL_TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _PLAN_DECODER = msgspec.msgpack.Decoder(Plan)
 
@@ -203,7 +251,7 @@ def decode(frames: list[bytes | memoryview], allowed: dict[bytes, type] | None =
     try:
         msg = decoder.decode(frames[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        name = {**REQUEST_TYPES, **REPLY_TYPES}[tag].__name__
+        name = _ALL_TYPES[tag].__name__
         raise WireError(f"malformed {name}: {exc}") from exc
     return msg, list(frames[2:])
 

@@ -1,10 +1,16 @@
 """Rank 0's control thread: requests in, job states, batch decisions, replies out.
 
-It never touches a socket (``SocketThread`` does) and never runs a model (the compute loop
-does). It answers status/health/stats/cancel/delete at once, even while a batch is running, and
-hands the compute loop one batch at a time through ``work``. The compute thread asks
-``plan_cancelled(seq)`` at the pipeline's cancel points: true once every job of the running batch
-was cancelled, so the batch stops there and writes nothing.
+It never touches a socket (``SocketThread`` does) and never runs a model (the compute loops
+do). It answers status/health/stats/cancel/delete at once, even while batches are running.
+
+The ranks form ``num_groups`` serving groups (data-parallel replicas, ``runtime/replicas.py``;
+one group of all ranks by default). Each group runs one batch at a time; whenever a ready group is
+idle and the batcher releases a batch, the scheduler hands it to that group (the one idle longest):
+group 0, which rank 0 belongs to, through ``work``; the others through ``dispatch(group, plan)``
+(``ReplicaHub``). So different groups run different batches at the same time. The compute
+thread of group 0 asks ``plan_cancelled(seq)`` at the pipeline's cancel points: true once every
+job of the running batch was cancelled, so the batch stops there and writes nothing; the other
+groups hear it through ``cancel_plan(group, seq)``. ``stats()["groups"]`` reports each group's load.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 from typing import Any
 
 import msgspec
+
+import dataclasses
 
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import Batcher, BatchingConfig, QueuedRequest
@@ -38,12 +46,40 @@ PLAN_CANCELLED = _PlanCancelled()
 """The outcome the compute loop reports for a plan stopped at a cancel point (every job cancelled)."""
 
 
+@dataclasses.dataclass(kw_only=True)
+class GroupLoad:
+    """One serving group as the scheduler sees it."""
+
+    index: int
+    ranks: tuple[int, ...] = ()
+    """Global ranks of the group (for ``stats``)."""
+    ready: bool = False
+    """Its compute loop can take plans (group 0 at once; the others once their leader said hello)."""
+    running: int | None = None
+    """Seq of the plan it runs, None when idle."""
+    busy_since: float | None = None
+    idle_since: float = 0.0
+    busy_s: float = 0.0
+    """Time spent running plans (finished ones)."""
+    plans_done: int = 0
+    jobs_done: int = 0
+    """Jobs of its finished plans, whatever their outcome."""
+    jobs_completed: int = 0
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        busy_s = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+        return {"group": self.index, "ranks": list(self.ranks), "ready": self.ready,
+                "busy": self.running is not None, "plans_done": self.plans_done, "jobs_done": self.jobs_done,
+                "jobs_completed": self.jobs_completed, "busy_seconds": round(busy_s, 6)}
+
+
 class Scheduler(threading.Thread):
     """Owns the job table. Events arrive on ``inbox``:
 
     ``("msg", peer, frames)`` from the socket thread, ``("done", plan_seq, outputs | error)`` and
-    ``("progress", plan_seq, fraction)`` from the compute loop, ``("fatal", reason)`` from the watchdog,
-    ``("shutdown", reason)`` from whoever stops the server.
+    ``("progress", plan_seq, fraction)`` from the compute loops (group 0's directly, the others'
+    through ``ReplicaHub``), ``("replica_ready", group)`` from ``ReplicaHub``, ``("fatal", reason)``
+    from the watchdog, ``("shutdown", reason)`` from whoever stops the server.
 
     ``peer`` is the socket thread's ``Peer``: replies go back through ``send(peer, frames)``, and a
     shutdown request is obeyed only from an authenticated or local peer.
@@ -62,6 +98,9 @@ class Scheduler(threading.Thread):
         max_message_bytes: int = 0,
         wire_stats=dict,
         clock=time.monotonic,
+        groups: tuple[tuple[int, ...], ...] | None = None,
+        dispatch=None,
+        cancel_plan=None,
     ) -> None:
         super().__init__(name="tilecast-scheduler", daemon=True)
         self.pipeline = pipeline
@@ -85,6 +124,18 @@ class Scheduler(threading.Thread):
         self._cancelled_plans: set[int] = set()
         """Running plans whose every job was cancelled (read by the compute thread)."""
         self._next_seq = 1
+        groups = groups if groups is not None else (tuple(range(world_size)),)
+        self.groups = [GroupLoad(index=g, ranks=tuple(ranks), ready=g == 0, idle_since=clock())
+                       for g, ranks in enumerate(groups)]
+        """Serving groups (``runtime/replicas.py``); group 0 takes plans from ``work``."""
+        self._dispatch_remote = dispatch
+        """``dispatch(group, plan)`` for groups 1.. (``ReplicaHub.send_plan``)."""
+        self._cancel_remote = cancel_plan
+        """``cancel_plan(group, seq)`` for groups 1.. (``ReplicaHub.cancel``)."""
+        self._group_of: dict[int, int] = {}
+        """Running plan seq -> the group running it."""
+        if len(self.groups) > 1:
+            assert dispatch is not None and cancel_plan is not None, "several groups need dispatch and cancel_plan"
         self.stopped = threading.Event()
         """Set once shutdown has been handed to the compute loop (requests are still answered)."""
         self._halt = threading.Event()
@@ -109,7 +160,7 @@ class Scheduler(threading.Thread):
                 logger.exception("scheduler event %r failed", event and event[0])
 
     def _wait_timeout(self) -> float:
-        if self._running or not self.table.queue:
+        if self._idle_group() is None or not self.table.queue:
             return 0.5
         deadline = self.batcher.next_deadline(self._queued_requests())
         if deadline is None:
@@ -125,6 +176,9 @@ class Scheduler(threading.Thread):
         elif kind == "progress":
             for job in self._running.get(event[1], ()):
                 job.progress = max(job.progress, min(1.0, float(event[2])))
+        elif kind == "replica_ready":
+            self.groups[event[1]].ready = True
+            logger.debug("replica group %d ready", event[1])
         elif kind == "fatal":
             self._on_fatal(event[1])
         elif kind == "shutdown":
@@ -245,6 +299,9 @@ class Scheduler(threading.Thread):
             for seq, jobs in self._running.items():
                 if job in jobs and all(other.cancel_requested for other in jobs):
                     self._cancelled_plans.add(seq)
+                    group = self._group_of.get(seq, 0)
+                    if group:
+                        self._cancel_remote(group, seq)
 
     def plan_cancelled(self, seq: int) -> bool:
         """Whether every job of running plan ``seq`` was cancelled (safe from the compute thread)."""
@@ -274,6 +331,7 @@ class Scheduler(threading.Thread):
         ))
 
     def stats(self) -> dict[str, Any]:
+        now = self.clock()
         return {
             "status": self.status,
             "world_size": self.world_size,
@@ -289,6 +347,7 @@ class Scheduler(threading.Thread):
             "dropped_replies": self.wire_stats().get("dropped_replies", 0),
             "stored_outputs": len(self.outputs),
             "deleted_outputs": self.outputs.deleted,
+            "groups": [group.snapshot(now) for group in self.groups],
             "batching": {
                 "mode": self.batching.mode,
                 "max_size": self.batching.max_size,
@@ -322,43 +381,76 @@ class Scheduler(threading.Thread):
     def _queued_requests(self) -> list[QueuedRequest]:
         return [job.batching_view for job in self.table.queue]
 
+    def _idle_group(self) -> GroupLoad | None:
+        """The ready group idle the longest, or None when every ready group is busy."""
+        idle = [group for group in self.groups if group.ready and group.running is None]
+        return min(idle, key=lambda group: (group.idle_since, group.index)) if idle else None
+
     def _dispatch(self) -> None:
-        if self._running or self.stopped.is_set():
+        if self.stopped.is_set():
             return
-        if self.status == STOPPING and not self.table.queue:
-            self._send_plan(P.Plan(seq=self._take_seq(), kind="stop"))
+        if self.status == STOPPING and not self.table.queue and not self._running:
+            for group in self.groups:
+                if group.ready:
+                    self._send_plan(group.index, P.Plan(seq=self._take_seq(), kind="stop"))
             self.stopped.set()
             return
-        if self.status != SERVING or not self.table.queue:
-            return
-        decision = self.batcher.select(self._queued_requests())
-        if decision is None:
-            return
-        jobs = [self.table.get(job_id) for job_id in decision.job_ids]
-        self.table.start(jobs)
-        items = []
-        for job in jobs:
-            items.append(P.PlanItem(job_id=job.id, params=job.wire_params, uploads=materialize(job.uploads)))
-            release(job.uploads)
-            job.uploads = {}
-        for line in self.metrics.record(decision, self.batching.user_max):
-            if self.batching.enable_metrics:
-                logger.info("%s", line)
-        seq = self._take_seq()
-        self._running[seq] = jobs
-        self._send_plan(P.Plan(seq=seq, kind="run", items=items))
+        while self.status == SERVING and self.table.queue:
+            group = self._idle_group()
+            if group is None:
+                return
+            decision = self.batcher.select(self._queued_requests())
+            if decision is None:
+                return
+            jobs = [self.table.get(job_id) for job_id in decision.job_ids]
+            self.table.start(jobs)
+            items = []
+            for job in jobs:
+                items.append(P.PlanItem(job_id=job.id, params=job.wire_params, uploads=materialize(job.uploads)))
+                release(job.uploads)
+                job.uploads = {}
+            for line in self.metrics.record(decision, self.batching.user_max):
+                if self.batching.enable_metrics:
+                    logger.info("%s", line)
+            seq = self._take_seq()
+            self._running[seq] = jobs
+            self._group_of[seq] = group.index
+            group.running, group.busy_since = seq, self.clock()
+            if len(self.groups) > 1:
+                logger.debug("plan %d (%s) -> replica group %d", seq, " ".join(job.id for job in jobs), group.index)
+            self._send_plan(group.index, P.Plan(seq=seq, kind="run", items=items))
 
     def _take_seq(self) -> int:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         return seq
 
-    def _send_plan(self, plan: P.Plan) -> None:
-        self.work.put(plan)  # the compute loop is idle whenever we get here: never blocks
+    def _send_plan(self, group: int, plan: P.Plan) -> None:
+        if group == 0:
+            self.work.put(plan)  # group 0's compute loop is idle whenever we get here: never blocks
+        else:
+            self._dispatch_remote(group, plan)
+
+    def _plan_ended(self, seq: int, jobs: list[Job] | None) -> GroupLoad | None:
+        """Book the end of plan ``seq`` on its group (the group is idle again); that group."""
+        index = self._group_of.pop(seq, None)
+        if index is None:
+            return None
+        group = self.groups[index]
+        now = self.clock()
+        if group.running == seq:
+            group.running = None
+            if group.busy_since is not None:
+                group.busy_s += now - group.busy_since
+            group.busy_since, group.idle_since = None, now
+        group.plans_done += 1
+        group.jobs_done += len(jobs or ())
+        return group
 
     def _on_done(self, seq: int, result) -> None:
         """A plan ended: ``result`` is its outputs, ``PLAN_CANCELLED``, or an error message."""
         jobs = self._running.pop(seq, None)
         self._cancelled_plans.discard(seq)
+        group = self._plan_ended(seq, jobs)
         if jobs is None:  # the server died meanwhile (``_on_fatal`` failed these jobs already)
             return
         if result is PLAN_CANCELLED:
@@ -370,11 +462,15 @@ class Scheduler(threading.Thread):
             for job in jobs:
                 self._finish(job, FAILED, error=message)
             return
+        completed = 0
         for job, output in zip(jobs, result, strict=True):
             if job.cancel_requested:  # its batch companions ran on: its output is discarded
                 self._finish(job, CANCELLED, error="cancelled by client while running", output=output)
             else:
                 self._finish(job, COMPLETED, output=output)
+                completed += 1
+        if group is not None:
+            group.jobs_completed += completed
 
     def _on_fatal(self, reason: str) -> None:
         if self.status == DEAD:

@@ -1,14 +1,18 @@
-"""``tilecast bench batching``: singleton serving against dynamic batching on the same traffic.
+"""``tilecast bench batching``: singleton serving against dynamic batching on the same traffic, per topology.
 
 Two real ``tilecast serve`` subprocesses run one after the other on the same model and topology:
 first with ``--batching-max-size 1`` (every request alone), then with ``--batching-mode dynamic``.
+The topology is ``--num-gpus N`` with ``--dp-degree D`` (data-parallel replica groups serving
+different batches at once) and ``--ulysses-degree U`` when given; with more than one rank, the same
+two servers first run on one rank too (``baseline``), so one run reports throughput and p50/p95 per
+topology and the ratio of the requested topology to one rank.
 Against each, ``num_clients`` threads (closed loop: a client sends its next request when the last
 one returns) each send ``requests_per_client`` compatible requests with distinct prompts and seeds.
 Each server is warmed up first, not counted: ``WARMUP_SEQUENTIAL`` requests one at a time, then
 one concurrent wave of ``num_clients`` (the first calls of a process and of each batch shape are
 far slower than steady state, which would otherwise penalise whichever server goes first).
 
-Reported per server: throughput (completed requests per second of wall time), p50/p95 latency
+Reported per server (per topology): throughput (completed requests per second of wall time), p50/p95 latency
 (nearest rank), failures and the server's own batching counters over the measured requests; plus the dynamic/singleton
 throughput ratio and latency ratios. Printed as one table (``report.print_table``); returned as a dict.
 
@@ -20,6 +24,7 @@ throughput ratios against it are added (keys ``peer_one_at_a_time``, ``peer_offl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -159,6 +164,46 @@ def _drive(endpoint: str, *, num_clients: int, requests_per_client: int, fields:
     }
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchTopology:
+    """One server layout of the bench."""
+
+    num_gpus: int = 1
+    dp_degree: int | None = None
+    """``--dp-degree`` (None: not passed, the server derives it)."""
+    ulysses_degree: int | None = None
+    """``--ulysses-degree`` (None: not passed, the server picks it)."""
+
+    @property
+    def label(self) -> str:
+        """``1 rank``, ``2 ranks dp 2``, ``4 ranks dp 2 x ulysses 2``."""
+        text = f"{self.num_gpus} rank{'s' if self.num_gpus > 1 else ''}"
+        parts = [f"dp {self.dp_degree}"] if self.dp_degree else []
+        parts += [f"ulysses {self.ulysses_degree}"] if self.ulysses_degree else []
+        return text + (" " + " x ".join(parts) if parts else "")
+
+    def serve_args(self) -> list[str]:
+        args = ["--num-gpus", str(self.num_gpus)]
+        if self.dp_degree is not None:
+            args += ["--dp-degree", str(self.dp_degree)]
+        if self.ulysses_degree is not None:
+            args += ["--ulysses-degree", str(self.ulysses_degree)]
+        return args
+
+    def check(self) -> None:
+        """``ValueError`` listing what ``tilecast serve`` would refuse about this layout."""
+        from tilecast.runtime.topology import Topology
+
+        for name in ("dp_degree", "ulysses_degree"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        errors = Topology.check(num_gpus=self.num_gpus, ulysses_degree=self.ulysses_degree or 1,
+                                dp_degree=self.dp_degree)
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
 def run_batching_bench(
     model_path: str,
     *,
@@ -169,6 +214,9 @@ def run_batching_bench(
     steps: int,
     device: str,
     num_gpus: int = 1,
+    dp_degree: int | None = None,
+    ulysses_degree: int | None = None,
+    baseline: bool = True,
     dtype: str | None = None,
     peer: str | None = None,
     extra_serve_args: Sequence[str] = (),
@@ -178,6 +226,10 @@ def run_batching_bench(
 ) -> dict[str, Any]:
     """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc.
 
+    The servers run with ``num_gpus`` ranks (``dp_degree`` / ``ulysses_degree`` passed when given);
+    with ``baseline`` and more than one rank, on one rank first as well: ``results["topologies"]``
+    then has a row per topology, ``results["singleton"]``/``["dynamic"]`` stay the requested one's
+    and ``results["vs_one_rank"]`` holds its throughput and latency ratios to one rank, per mode.
     ``dtype`` is passed to both servers as ``--dtype`` (their default when None). ``peer="diffusers"``
     first measures the same traffic on diffusers alone in this process (``bench.peer``)
     and adds its rows and the ratios against it.
@@ -194,6 +246,9 @@ def run_batching_bench(
         raise ValueError(f"--peer must be one of {', '.join(PEERS)} or none, got {peer!r}")
     if peer is not None and num_gpus != 1:
         raise ValueError(f"--peer {peer} runs on one device; use --num-gpus 1, got {num_gpus}")
+    requested = BenchTopology(num_gpus=num_gpus, dp_degree=dp_degree, ulysses_degree=ulysses_degree)
+    requested.check()
+    topologies = [BenchTopology(), requested] if baseline and num_gpus > 1 else [requested]
     fields = {"width": width, "height": height, "num_inference_steps": steps}
     dtype_args = ["--dtype", dtype] if dtype else []
     modes = {
@@ -206,7 +261,8 @@ def run_batching_bench(
     results: dict[str, Any] = {
         "model": model_path, "num_clients": num_clients, "requests_per_client": requests_per_client,
         "width": width, "height": height, "steps": steps, "device": device, "num_gpus": num_gpus,
-        "dtype": dtype or default_dtype(device), "peer": peer,
+        "dp_degree": dp_degree, "ulysses_degree": ulysses_degree, "dtype": dtype or default_dtype(device), "peer": peer,
+        "topologies": [],
     }
     if peer is not None:
         from tilecast.launcher.bench.peer import measure_diffusers_peer
@@ -217,19 +273,33 @@ def run_batching_bench(
         )
         results.update({f"peer_{mode}": row for mode, row in peer_modes.items()})
     with tempfile.TemporaryDirectory(prefix="tilecast-bench-") as tmp:
-        for mode, mode_args in modes.items():
-            args = [
-                "--model-path", model_path, "--num-gpus", str(num_gpus), "--device", device,
-                "--output-dir", str(Path(tmp, mode)), *dtype_args, *mode_args, *extra_serve_args,
-            ]
-            server = _Server(args, Path(tmp, f"{mode}.log"))
-            try:
-                server.wait_ready()
-                results[mode] = _drive(
-                    server.endpoint, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields,
-                )
-            finally:
-                server.stop()
+        for index, topology in enumerate(topologies):
+            row: dict[str, Any] = {"topology": topology.label, **dataclasses.asdict(topology)}
+            for mode, mode_args in modes.items():
+                name = f"t{index}-{mode}"
+                args = [
+                    "--model-path", model_path, *topology.serve_args(), "--device", device,
+                    "--output-dir", str(Path(tmp, name)), *dtype_args, *mode_args, *extra_serve_args,
+                ]
+                server = _Server(args, Path(tmp, f"{name}.log"))
+                try:
+                    server.wait_ready()
+                    row[mode] = _drive(
+                        server.endpoint, num_clients=num_clients, requests_per_client=requests_per_client,
+                        fields=fields,
+                    )
+                finally:
+                    server.stop()
+            results["topologies"].append(row)
+    results.update({mode: results["topologies"][-1][mode] for mode in modes})
+    if len(results["topologies"]) > 1:
+        one = results["topologies"][0]
+        results["vs_one_rank"] = {
+            mode: {"throughput_ratio": ratio(results[mode]["throughput_rps"], one[mode]["throughput_rps"]),
+                   "p50_ratio": ratio(results[mode]["p50_ms"], one[mode]["p50_ms"]),
+                   "p95_ratio": ratio(results[mode]["p95_ms"], one[mode]["p95_ms"])}
+            for mode in modes
+        }
     single, dynamic = results["singleton"], results["dynamic"]
     results["throughput_ratio"] = ratio(dynamic["throughput_rps"], single["throughput_rps"])
     results["p50_ratio"] = ratio(dynamic["p50_ms"], single["p50_ms"])
@@ -265,14 +335,23 @@ def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
             rows.append({"mode": f"{results['peer']} {mode.replace('_', ' ')}", "requests": str(row["requests"]),
                          "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
                          "avg batch": f"{row['batch_size']:.2f}"})
-    for mode in ("singleton", "dynamic"):
-        row = results[mode]
-        rows.append({"mode": mode, "requests": str(row["requests"]), "errors": str(row["errors"]),
-                     "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
-                     "p95 (ms)": f"{row['p95_ms']:.1f}", "avg batch": f"{row['avg_batch_size']:.2f}",
-                     "merged": f"{row['merged_rate'] * 100:.0f}%"})
-    rows.append({"mode": "ratio dynamic / singleton", "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
+    topologies = results.get("topologies") or []
+    several = len(topologies) > 1
+    for topology in topologies if several else [results]:
+        prefix = f"{topology['topology']}: " if several else ""
+        for mode in ("singleton", "dynamic"):
+            row = topology[mode]
+            rows.append({"mode": prefix + mode, "requests": str(row["requests"]), "errors": str(row["errors"]),
+                         "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
+                         "p95 (ms)": f"{row['p95_ms']:.1f}", "avg batch": f"{row['avg_batch_size']:.2f}",
+                         "merged": f"{row['merged_rate'] * 100:.0f}%"})
+    label = f"{topologies[-1]['topology']}: " if several else ""
+    rows.append({"mode": f"{label}ratio dynamic / singleton", "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
                  "p50 (ms)": f"{results['p50_ratio']:.2f}x", "p95 (ms)": f"{results['p95_ratio']:.2f}x"})
+    for mode, ratios in (results.get("vs_one_rank") or {}).items():
+        rows.append({"mode": f"ratio {topologies[-1]['topology']} / 1 rank ({mode})",
+                     "throughput (req/s)": f"{ratios['throughput_ratio']:.2f}x",
+                     "p50 (ms)": f"{ratios['p50_ratio']:.2f}x", "p95 (ms)": f"{ratios['p95_ratio']:.2f}x"})
     for key, label in PEER_RATIOS.items():
         if key in results:
             rows.append({"mode": label.format(peer=results["peer"]), "throughput (req/s)": f"{results[key]:.2f}x"})
@@ -284,5 +363,6 @@ def print_bench_table(results: dict[str, Any]) -> None:
     print_table(bench_table_rows(results), BATCHING_COLUMNS, title=(
         f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
         f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
-        f"{results['num_gpus']} x {results['device']}, {results['dtype']}"
+        f"{results['num_gpus']} x {results['device']}"
+        f"{' (' + results['topologies'][-1]['topology'] + ')' if results.get('topologies') else ''}, {results['dtype']}"
     ))

@@ -130,7 +130,9 @@ def batching(
     steps: Annotated[int, typer.Option("--steps")] = 2,
     device: Annotated[str, typer.Option("--device")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Passed to the servers (and the peer): float32 | bfloat16 | float16.")] = None,
-    num_gpus: Annotated[int, typer.Option("--num-gpus")] = 1,
+    num_gpus: Annotated[int, typer.Option("--num-gpus", help="Ranks of the measured servers (more than 1: one rank is measured too).")] = 1,
+    dp_degree: Annotated[Optional[int], typer.Option("--dp-degree", help="Data-parallel replica groups of the measured servers.")] = None,
+    ulysses_degree: Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree of the measured servers.")] = None,
     batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")] = 8,
     batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms")] = 20.0,
     peer: Annotated[str, typer.Option("--peer", help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.")] = "none",
@@ -139,13 +141,14 @@ def batching(
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Serve with --cuda-graphs (the peer stays eager).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
-    """N concurrent clients against one server: --batching-max-size 1 versus dynamic, in one run."""
+    """N concurrent clients against one server: --batching-max-size 1 versus dynamic, per topology, in one run."""
     from tilecast.launcher.bench.batching import run_batching_bench
 
     try:  # a ValueError names the bad option
         result = run_batching_bench(
             model_path, num_clients=num_clients, requests_per_client=requests_per_client, width=width,
-            height=height, steps=steps, device=device, num_gpus=num_gpus, dtype=dtype,
+            height=height, steps=steps, device=device, num_gpus=num_gpus, dp_degree=dp_degree,
+            ulysses_degree=ulysses_degree, dtype=dtype,
             peer=None if peer == "none" else peer, batching_max_size=batching_max_size,
             batching_delay_ms=batching_delay_ms,
             extra_serve_args=(["--compile"] if compile_blocks else []) + (["--quantize", quantize] if quantize else [])
