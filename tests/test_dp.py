@@ -31,10 +31,10 @@ from tilecast.scheduler.batching import BatchingConfig
 from tilecast.scheduler.http_metrics import Exposition, scheduler_metrics
 from tilecast.scheduler.scheduler import Scheduler
 
-try:  # H1 may rename the helper module
-    from tests.servers import ServerProcess, rank_pid
-except ImportError:  # pragma: no cover
-    from tests.harness import ServerProcess, rank_pid  # type: ignore[no-redef]
+try:  # the server helpers moved from tests/servers.py to tests/harness.py
+    from tests.harness import ServerProcess, rank_pid
+except ImportError:  # pragma: no cover - before the move
+    from tests.servers import ServerProcess, rank_pid  # type: ignore[no-redef]
 
 FLUX_TOL = 1e-4
 SMALL = dict(width=32, height=32)
