@@ -4,8 +4,8 @@ Legend: B batch, S query length, K key/value length, H heads, D head dim.
 
 Backends are registered by name (``register_backend``) and selected by name through
 ``resolve_backend``; ``"auto"`` (or ``None``) picks the fastest available backend for the device
-and dtype. All backends see already-unpadded keys: the dispatcher in ``attention.py`` drops padded
-keys before calling them, so a backend never needs a mask.
+and dtype. All backends see already-unpadded keys: ``run_backend`` drops padded and masked keys
+before calling them, so a backend never needs a mask.
 
 Names:
   ``sdpa_math``       pure-torch reference (materializes the B*H*S*K score matrix), any device.
@@ -300,18 +300,52 @@ def run_backend(
     *,
     scale: float,
     kv_len: int | None = None,
+    key_mask_BK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``backend`` on the first ``kv_len`` keys (the rest are padding and get zero weight).
 
     With ``kv_len == 0`` no key is valid: the output is zero and the lse ``-inf``, which the Ring
-    merge treats as an empty partial result.
+    merge treats as an empty partial result. ``key_mask_BK`` (bool, ``True`` = attend) further
+    selects keys per batch row: the backend runs on the selected keys only (one call when every
+    row selects the same keys, else one call per row), so no backend needs a mask and the lse is
+    that of the selected keys.
     """
     num_keys = k_BKHD.shape[1]
+    if key_mask_BK is not None and key_mask_BK.shape != (k_BKHD.shape[0], num_keys):
+        raise ValueError(f"key_mask_BK has shape {tuple(key_mask_BK.shape)}; keys are {tuple(k_BKHD.shape[:2])}")
     if kv_len is not None and kv_len < num_keys:
         if kv_len <= 0:
-            batch, num_q, heads, _ = q_BSHD.shape
-            out = q_BSHD.new_zeros(batch, num_q, heads, v_BKHD.shape[-1])
-            lse = torch.full((batch, heads, num_q), -math.inf, dtype=torch.float32, device=q_BSHD.device)
-            return out, lse
+            return _empty_result(q_BSHD, v_BKHD)
         k_BKHD, v_BKHD = k_BKHD[:, :kv_len], v_BKHD[:, :kv_len]
-    return backend.fn(q_BSHD, k_BKHD, v_BKHD, scale=scale)
+        key_mask_BK = None if key_mask_BK is None else key_mask_BK[:, :kv_len]
+    if key_mask_BK is None:
+        return backend.fn(q_BSHD, k_BKHD, v_BKHD, scale=scale)
+    key_mask_BK = key_mask_BK.to(torch.bool)
+    if bool((key_mask_BK == key_mask_BK[:1]).all()):
+        return _run_selected(backend, q_BSHD, k_BKHD, v_BKHD, key_mask_BK[0], scale)
+    parts = [
+        _run_selected(backend, q_BSHD[b : b + 1], k_BKHD[b : b + 1], v_BKHD[b : b + 1], key_mask_BK[b], scale)
+        for b in range(q_BSHD.shape[0])
+    ]
+    return torch.cat([out for out, _ in parts], dim=0), torch.cat([lse for _, lse in parts], dim=0)
+
+
+def _empty_result(q_BSHD: torch.Tensor, v_BKHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over no key: zero output, ``-inf`` lse."""
+    batch, num_q, heads, _ = q_BSHD.shape
+    out = q_BSHD.new_zeros(batch, num_q, heads, v_BKHD.shape[-1])
+    lse = torch.full((batch, heads, num_q), -math.inf, dtype=torch.float32, device=q_BSHD.device)
+    return out, lse
+
+
+def _run_selected(backend, q_BSHD, k_BKHD, v_BKHD, keep_K: torch.Tensor, scale: float):
+    """``backend`` on the keys where ``keep_K`` is ``True`` (a slice when they are a prefix)."""
+    num_kept = int(keep_K.sum())
+    if num_kept == 0:
+        return _empty_result(q_BSHD, v_BKHD)
+    if num_kept == keep_K.shape[0]:
+        return backend.fn(q_BSHD, k_BKHD, v_BKHD, scale=scale)
+    if bool(keep_K[:num_kept].all()):
+        return backend.fn(q_BSHD, k_BKHD[:, :num_kept], v_BKHD[:, :num_kept], scale=scale)
+    index = keep_K.nonzero().squeeze(1)
+    return backend.fn(q_BSHD, k_BKHD.index_select(1, index), v_BKHD.index_select(1, index), scale=scale)

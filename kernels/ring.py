@@ -5,7 +5,8 @@ Ring rank r holds query chunk r and K/V chunk r of the ring-level sequence (chun
 positions ``[r*C, (r+1)*C)``). Each of the R steps attends to one K/V chunk while the next one is
 received with ``dist.batch_isend_irecv`` (works on gloo and NCCL). Keys at positions
 ``>= seq_len`` are padding: they are dropped before the kernel runs, and a chunk made only of
-padding contributes ``lse = -inf`` and weight zero.
+padding contributes ``lse = -inf`` and weight zero. A key mask over the whole ring-level sequence
+(``key_mask_BK``, one row per batch element) drops keys anywhere, per batch row, the same way.
 """
 
 from __future__ import annotations
@@ -47,13 +48,20 @@ def ring_attention(
     backend: AttentionBackend,
     scale: float,
     seq_len: int | None = None,
+    key_mask_BK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the local queries to the keys of every ring rank; returns ``(out_BSHD, lse_BHS)``.
 
     ``seq_len`` is the true length of the ring-level sequence (``None``: no padding).
+    ``key_mask_BK``: which keys of the ring-level sequence (``R * C`` positions) are attended
+    (bool, ``None``: all of them).
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = k_BCHD.shape[1]
+    if key_mask_BK is not None and key_mask_BK.shape != (k_BCHD.shape[0], size * chunk):
+        raise ValueError(
+            f"key_mask_BK has shape {tuple(key_mask_BK.shape)}; the ring-level keys are ({k_BCHD.shape[0]}, {size * chunk})"
+        )
     send_to = dist.get_global_rank(group, (rank + 1) % size)
     recv_from = dist.get_global_rank(group, (rank - 1) % size)
     k_cur, v_cur = k_BCHD.contiguous(), v_BCHD.contiguous()
@@ -72,7 +80,10 @@ def ring_attention(
             )
         source = (rank - step) % size  # the ring rank whose K/V chunk is in hand
         kv_len = chunk if seq_len is None else max(0, min(chunk, seq_len - source * chunk))
-        part_BSHD, part_lse_BHS = run_backend(backend, q_BSHD, k_cur, v_cur, scale=scale, kv_len=kv_len)
+        mask_BC = None if key_mask_BK is None else key_mask_BK[:, source * chunk : (source + 1) * chunk]
+        part_BSHD, part_lse_BHS = run_backend(
+            backend, q_BSHD, k_cur, v_cur, scale=scale, kv_len=kv_len, key_mask_BK=mask_BC
+        )
         out_BSHD, lse_BHS = merge_partials(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS)
         for request in requests:
             request.wait()

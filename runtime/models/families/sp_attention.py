@@ -1,0 +1,231 @@
+"""Sequence-parallel attention processors for the families' transformers.
+
+Legend: B batch, S tokens of this rank's shard, H heads, D head dim, C channels.
+
+Each processor does what the diffusers processor it replaces does (projections, q/k norms, rotary
+embedding, output projections, in the same order and dtype), with the attention itself from
+``tilecast.kernels.attention.attention`` over the ranks' Ulysses and Ring groups and a key mask
+from ``SequenceState.key_mask``: padded tokens of every split segment, and the model's own masks
+(Qwen-Image's text mask, Z-Image's batch padding), get zero weight. Cross-attention to
+replicated text (Wan) needs no exchange and runs locally.
+
+``install_processors`` picks the processor by the class of the one a layer has; a layer with any
+other processor is refused (it would attend only to this rank's shard).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tilecast.kernels.attention import attention, resolve_backend
+from tilecast.runtime.models.families.sequence_parallel import SequenceState
+
+logger = logging.getLogger(__name__)
+
+
+class _SequenceParallelProcessor:
+    """Base: holds the shared state and the backend name."""
+
+    def __init__(self, state: SequenceState, backend: str | None) -> None:
+        self.state = state
+        self.backend = backend
+
+    def attend(self, q_BSHD, k_BSHD, v_BSHD, parts) -> torch.Tensor:
+        """Sequence-parallel attention of the local shard; ``parts`` describe its segments (``key_mask``)."""
+        mask_BS = self.state.key_mask(parts, q_BSHD.shape[0], q_BSHD.device)
+        out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend, parallel=self.state.parallel,
+                                   key_mask=mask_BS)
+        return out_BSHD
+
+
+class FluxSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``FluxAttention`` (diffusers' ``FluxAttnProcessor``, tilecast's ``FluxDenseAttnProcessor``):
+    joint ``[text, image]`` attention in the double-stream blocks, the same concatenation arriving
+    as one stream in the single-stream blocks."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        if attention_mask is not None:
+            raise ValueError("FLUX's sequence-parallel attention takes no attention_mask")
+        q_BSC, k_BSC, v_BSC, text_q_BSC, text_k_BSC, text_v_BSC = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        q_BSHD = attn.norm_q(q_BSC.unflatten(-1, (-1, attn.head_dim)))
+        k_BSHD = attn.norm_k(k_BSC.unflatten(-1, (-1, attn.head_dim)))
+        v_BSHD = v_BSC.unflatten(-1, (-1, attn.head_dim))
+        if attn.added_kv_proj_dim is not None:  # joint block: the text tokens go first
+            q_BSHD = torch.cat([attn.norm_added_q(text_q_BSC.unflatten(-1, (-1, attn.head_dim))), q_BSHD], dim=1)
+            k_BSHD = torch.cat([attn.norm_added_k(text_k_BSC.unflatten(-1, (-1, attn.head_dim))), k_BSHD], dim=1)
+            v_BSHD = torch.cat([text_v_BSC.unflatten(-1, (-1, attn.head_dim)), v_BSHD], dim=1)
+        if image_rotary_emb is not None:
+            q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
+            k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("encoder_hidden_states", None), ("hidden_states", None)])
+        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
+        if encoder_hidden_states is None:
+            return out_BSC
+        text_BSC, image_BSC = out_BSC.split_with_sizes(
+            [encoder_hidden_states.shape[1], out_BSC.shape[1] - encoder_hidden_states.shape[1]], dim=1
+        )
+        image_BSC = attn.to_out[1](attn.to_out[0](image_BSC.contiguous()))
+        return image_BSC, attn.to_add_out(text_BSC.contiguous())
+
+
+class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``QwenDoubleStreamAttnProcessor2_0``: joint ``[text, image]`` attention, text keys masked by
+    ``encoder_hidden_states_mask`` (split with the text by the plan) as well as by padding."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        if encoder_hidden_states is None:
+            raise ValueError("Qwen-Image's attention needs encoder_hidden_states (the text stream)")
+        if attention_mask is not None:
+            raise ValueError("Qwen-Image's attention takes encoder_hidden_states_mask, not attention_mask")
+        head_dim = attn.inner_dim // attn.heads
+        img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, (-1, head_dim))
+                               for proj in (attn.to_q, attn.to_k, attn.to_v))
+        txt_q, txt_k, txt_v = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+                               for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_q is not None:
+            img_q = attn.norm_q(img_q)
+        if attn.norm_k is not None:
+            img_k = attn.norm_k(img_k)
+        if attn.norm_added_q is not None:
+            txt_q = attn.norm_added_q(txt_q)
+        if attn.norm_added_k is not None:
+            txt_k = attn.norm_added_k(txt_k)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+            img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+            txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+            txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+        q_BSHD = torch.cat([txt_q, img_q], dim=1)
+        out_BSHD = self.attend(
+            q_BSHD, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
+            [("encoder_hidden_states", encoder_hidden_states_mask), ("hidden_states", None)],
+        )
+        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
+        seq_txt = encoder_hidden_states.shape[1]
+        img_out = attn.to_out[0](out_BSC[:, seq_txt:].contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)  # dropout
+        return img_out, attn.to_add_out(out_BSC[:, :seq_txt].contiguous())
+
+
+class WanSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``WanAttnProcessor``: self-attention over the split video tokens; cross-attention (to the
+    replicated text, and to the image context of I2V checkpoints) runs locally on this rank's queries."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
+
+        if attention_mask is not None:
+            raise ValueError("Wan's sequence-parallel attention takes no attention_mask")
+        encoder_hidden_states_img = None
+        if attn.add_k_proj is not None:
+            image_context_length = encoder_hidden_states.shape[1] - 512  # diffusers: the text context is 512
+            encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
+            encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        q_BSHD, k_BSHD, v_BSHD = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            q_BSHD, k_BSHD = _wan_rotary(q_BSHD, *rotary_emb), _wan_rotary(k_BSHD, *rotary_emb)
+
+        extra_BSC = None
+        if encoder_hidden_states_img is not None:
+            key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img = attn.norm_added_k(key_img).unflatten(2, (attn.heads, -1))
+            out_img, _lse = attention(q_BSHD, key_img, value_img.unflatten(2, (attn.heads, -1)), backend=self.backend)
+            extra_BSC = out_img.flatten(2, 3).type_as(query)
+
+        if encoder_hidden_states is None:  # self-attention: across the ranks
+            out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("hidden_states", None)])
+        else:  # cross-attention to the full text, here
+            out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend)
+        out_BSC = out_BSHD.flatten(2, 3).type_as(query)
+        if extra_BSC is not None:
+            out_BSC = out_BSC + extra_BSC
+        return attn.to_out[1](attn.to_out[0](out_BSC))
+
+
+def _wan_rotary(x_BSHD: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved rotary embedding (``WanAttnProcessor``'s ``apply_rotary_emb``)."""
+    x1, x2 = x_BSHD.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x_BSHD)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x_BSHD)
+
+
+class ZImageSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``ZSingleStreamAttnProcessor``: single-stream attention over the split tokens of the current
+    region (noise refiner, context refiner, main layers; the plan's stream input ``x``), keys masked
+    by the model's batch-padding mask (split by the plan) and by padding."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+        q_BSHD, k_BSHD, v_BSHD = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
+                                  for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q_BSHD = attn.norm_q(q_BSHD)
+        if attn.norm_k is not None:
+            k_BSHD = attn.norm_k(k_BSHD)
+        if freqs_cis is not None:
+            q_BSHD, k_BSHD = _z_image_rotary(q_BSHD, freqs_cis), _z_image_rotary(k_BSHD, freqs_cis)
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(f"Z-Image's attention mask should be (batch, tokens), got {tuple(attention_mask.shape)}")
+        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [(self.state.stream, attention_mask)])
+        output = attn.to_out[0](out_BSHD.flatten(2, 3).to(q_BSHD.dtype))
+        if len(attn.to_out) > 1:  # dropout
+            output = attn.to_out[1](output)
+        return output
+
+
+def _z_image_rotary(x_BSHD: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Z-Image's complex rotary embedding (``ZSingleStreamAttnProcessor``'s ``apply_rotary_emb``)."""
+    with torch.amp.autocast("cuda", enabled=False):
+        x = torch.view_as_complex(x_BSHD.float().reshape(*x_BSHD.shape[:-1], -1, 2))
+        return torch.view_as_real(x * freqs_cis.unsqueeze(2)).flatten(3).type_as(x_BSHD)
+
+
+PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
+    "FluxAttnProcessor": FluxSequenceParallelProcessor,
+    "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
+    "QwenDoubleStreamAttnProcessor2_0": QwenImageSequenceParallelProcessor,
+    "WanAttnProcessor": WanSequenceParallelProcessor,
+    "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,
+}
+"""Class name of the processor a layer has → the sequence-parallel processor that replaces it."""
+
+
+def install_processors(transformer: nn.Module, state: SequenceState, backend: str | None) -> int:
+    """Give every attention layer of ``transformer`` its sequence-parallel processor; returns how many.
+
+    ``ValueError`` naming the layer when its processor has no sequence-parallel counterpart (or an
+    unknown/unusable ``backend``), before anything is changed.
+    """
+    weight = next(transformer.parameters())
+    resolve_backend(backend, weight.device, weight.dtype)
+    layers = [(name, module) for name, module in transformer.named_modules() if hasattr(module, "set_processor")
+              and hasattr(module, "processor")]
+    for name, module in layers:
+        kind = type(module.processor).__name__
+        if kind not in PROCESSORS:
+            raise ValueError(
+                f"attention layer {name} of {type(transformer).__name__} has processor {kind}, which tilecast "
+                f"cannot run sequence-parallel (known: {', '.join(sorted(PROCESSORS))})"
+            )
+    if not layers:
+        raise ValueError(f"{type(transformer).__name__} has no attention layers to run sequence-parallel")
+    for _name, module in layers:
+        module.set_processor(PROCESSORS[type(module.processor).__name__](state, backend))
+    return len(layers)
