@@ -353,6 +353,11 @@ def install_for_family(pipe: Any, family: type, ctx: Any) -> SequenceState | Non
         raise ValueError(
             f"{family.family} has no sequence-parallel plan: run it with --ulysses-degree 1 --ring-degree 1"
         )
+    if ctx.settings.cuda_graphs:
+        raise ValueError(
+            "--cuda-graphs with --ulysses-degree/--ring-degree above 1 is not supported: the sequence-parallel "
+            "hooks keep per-forward state and run collectives that a captured graph would replay stale"
+        )
     backend = ctx.settings.attention_backend
     return apply_sequence_parallel(
         pipe.transformer, resolve_plan(family.cp_plan), ulysses_group=ctx.groups.ulysses_group,
