@@ -206,10 +206,16 @@ def submodules(model: nn.Module, path: str) -> list[nn.Module]:
     return found
 
 
-def _parameter_index(module: nn.Module, name: str) -> int | None:
-    """Position of ``name`` in ``module.forward``'s parameters (``None`` if it has none by that name)."""
-    names = list(inspect.signature(type(module).forward).parameters)[1:]  # without self
-    return names.index(name) if name in names else None
+def _parameter_index(module: nn.Module, name: str, path: str) -> int | None:
+    """Position of ``name`` in ``module.forward``'s parameters (``None``: only by keyword, ``**kwargs``).
+    ``ValueError`` when the forward cannot take it at all (a plan for another version of the model)."""
+    parameters = inspect.signature(type(module).forward).parameters
+    names = list(parameters)[1:]  # without self
+    if name in names:
+        return names.index(name)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    raise ValueError(f"plan entry {path!r}: {type(module).__name__}.forward has no input {name!r}")
 
 
 def _split_value(state: SequenceState, name: str, value: Any, entry: Any) -> Any:
@@ -236,7 +242,7 @@ def _install_split(module: nn.Module, entries: dict, state: SequenceState, path:
     unknown = [k for k in entries if k not in inputs and k not in outputs]
     if unknown or any(not isinstance(k, int) for k in outputs):
         raise ValueError(f"plan entry {path!r}: inputs are named, split outputs indexed; got keys {list(entries)}")
-    indices = {name: _parameter_index(module, name) for name in inputs}
+    indices = {name: _parameter_index(module, name, path) for name in inputs}
 
     if inputs:
         def pre_hook(module, args, kwargs):
