@@ -158,7 +158,7 @@ def generate(
         _fail(str(exc))
 
     def entry() -> int:
-        from tilecast.runtime.offline import generate as generate_rank
+        from tilecast.launcher.generate import generate as generate_rank
 
         return generate_rank(config, fields)
 

@@ -12,15 +12,16 @@ so no setting is ever negotiated between ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 from pathlib import Path
-from typing import Collection
+from typing import Any, Collection
 
-from tilecast.runtime.settings import check_declared, coerce_declared, declared, setting
+from tilecast.runtime.settings import Declared, check_declared, coerce_declared, declared, setting
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("fp8",)
-"""``--quantize`` values (the families that read the option say which they take)."""
+"""``--quantize`` values (a pipeline that does not honour ``quantize`` refuses them all)."""
 PARALLEL_DECODE_MODES = ("spatial_shard",)
 BATCHING_MODES = ("off", "dynamic")
 
@@ -50,13 +51,13 @@ def default_dtype(device: str) -> str:
 class VaeConfig:
     """The ``--vae-config.*`` settings: how the VAE decodes tiles."""
 
-    use_parallel_tiling: bool = setting(False, section="vae")
+    use_parallel_tiling: bool = setting(False, section="vae", pipeline=True)
     """Deal whole tiles to the ranks of the decode group (bit-exact to serial)."""
-    use_parallel_decode: bool = setting(False, section="vae")
+    use_parallel_decode: bool = setting(False, section="vae", pipeline=True)
     """Split each tile's height across the decode group (halo exchange; not bit-exact)."""
-    parallel_decode_mode: str = setting("spatial_shard", section="vae", choices=PARALLEL_DECODE_MODES)
+    parallel_decode_mode: str = setting("spatial_shard", section="vae", choices=PARALLEL_DECODE_MODES, pipeline=True)
     """How ``use_parallel_decode`` splits a tile; only ``spatial_shard`` exists."""
-    fast_decode: bool = setting(True, section="vae")
+    fast_decode: bool = setting(True, section="vae", pipeline=True)
     """Decode with tilecast's channels-last K-VAE decoder (diffusers' weights and arithmetic, about
     2x faster); false: diffusers' own ``Kandinsky6SRVAE.decode``. Spatial-shard decode and a
     streamed or offloaded VAE always use diffusers' decode."""
@@ -76,52 +77,52 @@ class ServeConfig:
     """Routing hint for a renamed checkpoint directory (e.g. ``Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers``)."""
     device: str = setting("cuda", section="model", choices=("cpu", "cuda"))
     """Where the ranks compute."""
-    dtype: str | None = setting(None, section="model", choices=DTYPES)
+    dtype: str | None = setting(None, section="model", choices=DTYPES, pipeline=True)
     """Compute dtype (default: bfloat16 on CUDA, float32 on CPU)."""
     # -- parallelism
     num_gpus: int = setting(1, section="parallel", ge=1, metavar="N")
     """Number of ranks to run (GPUs on CUDA, processes on CPU)."""
-    tp_size: int = setting(1, section="parallel", ge=1, picked=True, metavar="N")
+    tp_size: int = setting(1, section="parallel", ge=1, picked=True, metavar="N", pipeline=True)
     """Tensor-parallel degree of the DiT's linear layers."""
-    ulysses_degree: int = setting(1, section="parallel", ge=1, picked=True, metavar="N")
+    ulysses_degree: int = setting(1, section="parallel", ge=1, picked=True, metavar="N", pipeline=True)
     """Ulysses (all-to-all) sequence-parallel degree."""
-    ring_degree: int = setting(1, section="parallel", ge=1, picked=True, metavar="N")
+    ring_degree: int = setting(1, section="parallel", ge=1, picked=True, metavar="N", pipeline=True)
     """Ring sequence-parallel degree."""
     dp_degree: int | None = setting(None, section="parallel", ge=1, metavar="N")
     """Data-parallel replica groups, each a full copy of the model serving its own batches (``serve``:
     rank 0 dispatches different batches to different groups at once). Must equal ``num_gpus / (TP x
     Ulysses x Ring)``; unset: that quotient (``--tile-parallel`` then keeps one group of all ranks)."""
-    tile_parallel: bool = setting(False, section="parallel")
+    tile_parallel: bool = setting(False, section="parallel", pipeline=True)
     """Deal whole tile chunks to data-parallel groups for the DiT too (identical output)."""
     # -- VAE decode
     vae: VaeConfig = setting(default_factory=VaeConfig, section="vae", flag="--vae-config")
     """Parallel decode settings (``--vae-config.*``)."""
     # -- weight placement (the PlacementConfig view checks the values)
-    layerwise_offload_components: str | None = setting(None, section="placement", metavar="LIST")
+    layerwise_offload_components: str | None = setting(None, section="placement", metavar="LIST", pipeline=True)
     """Components whose blocks stream from host memory just before they run: ``all``, or
     ``transformer``/``vae``/``latent_upscaler``, space or comma separated. Non-block weights and
     temporal caches stay on the device. See ``runtime/placement.py``."""
-    cpu_offload_components: str | None = setting(None, section="placement", metavar="LIST")
+    cpu_offload_components: str | None = setting(None, section="placement", metavar="LIST", pipeline=True)
     """Components kept in host memory and moved to the device whole around their use (same
     syntax; disjoint from ``layerwise_offload_components``)."""
-    dit_offload_prefetch_size: int = setting(1, section="placement", metavar="N")
-    """DiT blocks prefetched ahead while streaming the DiT (1-4; ignored, with a warning, unless
+    dit_offload_prefetch_size: int = setting(1, section="placement", metavar="N", pipeline=True)
+    """DiT blocks prefetched ahead while streaming the DiT (1-4; refused unless
     ``layerwise_offload_components`` includes the transformer)."""
-    dit_layerwise_resident_layers: int = setting(0, section="placement", metavar="N")
-    """Leading DiT blocks kept on the device while streaming the DiT (0-8; ignored, with a
-    warning, unless ``layerwise_offload_components`` includes the transformer)."""
-    use_fsdp_inference: bool = setting(False, section="placement")
+    dit_layerwise_resident_layers: int = setting(0, section="placement", metavar="N", pipeline=True)
+    """Leading DiT blocks kept on the device while streaming the DiT (0-8; refused unless
+    ``layerwise_offload_components`` includes the transformer)."""
+    use_fsdp_inference: bool = setting(False, section="placement", pipeline=True)
     """Shard the DiT's weights across all ranks with FSDP2 (at least 2 ranks; not with TP, not
     with the DiT offloaded)."""
     # -- performance
-    attention_backend: str | None = setting(None, section="performance", metavar="NAME")
+    attention_backend: str | None = setting(None, section="performance", metavar="NAME", pipeline=True)
     """Attention backend name (default: the fastest correct one for the device)."""
-    compile: bool = setting(False, section="performance")
+    compile: bool = setting(False, section="performance", pipeline=True)
     """``torch.compile`` the DiT's repeated blocks (CUDA; the first request pays the compile time)."""
-    quantize: str | None = setting(None, section="performance", choices=QUANTIZE_MODES)
+    quantize: str | None = setting(None, section="performance", choices=QUANTIZE_MODES, pipeline=True)
     """``fp8``: FP8 weights and activations in the DiT blocks' linear layers (FLUX; opt-in: faster,
     and the output moves by a few percent). Unset: the model's dtype throughout."""
-    cuda_graphs: bool = setting(False, section="performance")
+    cuda_graphs: bool = setting(False, section="performance", pipeline=True)
     """Replay the DiT's forward as CUDA graphs, one per batch shape (FLUX; CUDA only): each step is
     then one launch, so its time no longer depends on how fast the host issues kernels."""
     # -- watchdog
@@ -148,11 +149,11 @@ class ServeConfig:
     batching_mode: str = setting("off", section="batching", choices=BATCHING_MODES)
     """``off``: every request runs alone; ``dynamic``: compatible queued requests merge."""
     batching_max_size: int = setting(1, section="batching", ge=1, metavar="N")
-    """Largest merged batch (1: no batching)."""
+    """Largest merged batch (1: no batching; above 1 only with ``batching_mode`` dynamic)."""
     batching_delay_ms: float = setting(5.0, section="batching", ge=0.0, metavar="MS")
     """How long the head of the queue may wait for companions."""
     batching_config: Path | None = setting(None, section="batching", metavar="FILE")
-    """JSON rules file with per-model/resolution caps."""
+    """JSON rules file with per-model/resolution caps (only with ``batching_mode`` dynamic)."""
     enable_batching_metrics: bool = setting(False, section="batching")
     """Log one line per dispatch and a summary every few dispatches."""
     # -- HTTP API (serve only)
@@ -171,7 +172,8 @@ class ServeConfig:
     allow_unauthenticated: bool = setting(False, section="security")
     """Serve a non-loopback ``host`` / ``http_host`` without ``api_key`` (anyone who reaches the port
     can submit and read results)."""
-    allowed_video_dirs: tuple[Path, ...] = setting((), section="security", flag="--allowed-video-dir", metavar="DIR")
+    allowed_video_dirs: tuple[Path, ...] = setting((), section="security", flag="--allowed-video-dir", metavar="DIR",
+                                                     pipeline=True)
     """Directories whose files a request's ``video_path`` may name (the flag repeats)."""
     # -- outputs (serve only)
     output_dir: Path = setting(Path("outputs"), section="outputs", metavar="DIR")
@@ -202,12 +204,18 @@ class ServeConfig:
             )
         placement = self.placement  # ValueError naming the flag
         for name in ("layerwise_offload_components", "cpu_offload_components"):
-            object.__setattr__(self, name, placement.as_options()[name])  # the canonical spelling
+            object.__setattr__(self, name, placement.as_fields()[name])  # the canonical spelling
         placement.check_topology(
             world_size=self.num_gpus, check_rank_count=False,  # FSDP on one GPU: the picker's rule (cli)
             tp_size=self.tp_size, unit_size=self.tp_size * self.ulysses_degree * self.ring_degree,
             tile_parallel=self.tile_parallel,
         )
+        if self.batching_mode == "off" and self.batching_max_size > 1:
+            raise ValueError(f"--batching-max-size {self.batching_max_size} needs --batching-mode dynamic"
+                             " (with --batching-mode off every request runs alone)")
+        if self.batching_mode == "off" and self.batching_config is not None:
+            raise ValueError(f"--batching-config {self.batching_config} needs --batching-mode dynamic"
+                             " (with --batching-mode off no rules apply)")
         if self.http_port is not None and self.max_upload_mb > self.max_message_mb:
             raise ValueError(
                 f"--max-upload-mb {self.max_upload_mb:g} exceeds --max-message-mb {self.max_message_mb:g}: an upload"
@@ -254,51 +262,71 @@ class ServeConfig:
     def endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port if self.port else '*'}"
 
-    def pipeline_options(self) -> dict:
-        """What pipelines read from ``RankContext.options``."""
-        return {
-            "model_id": self.model_id,
-            "dtype": self.resolved_dtype,
-            "attention_backend": self.attention_backend,
-            "allowed_video_dirs": [str(p) for p in self.allowed_video_dirs],
-            "tp_size": self.tp_size,
-            "ulysses_degree": self.ulysses_degree,
-            "ring_degree": self.ring_degree,
-            "vae": dataclasses.asdict(self.vae),
-            "tile_parallel": self.tile_parallel,
-            "compile": self.compile,
-            "quantize": self.quantize,
-            "cuda_graphs": self.cuda_graphs,
-            **self.placement.as_options(),
-        }
+
+class UnsupportedSettingError(ValueError):
+    """A setting set away from its default that the chosen pipeline cannot honour (start-up stops)."""
 
 
-_SWITCHES = {"tile_parallel", "compile", "cuda_graphs"}
-"""Options named as bare switches (no value) in ``ignored_settings``' notes."""
+def pipeline_settings() -> tuple[Declared, ...]:
+    """The declared settings a pipeline reads (``setting(..., pipeline=True)``), leaves of ``vae`` included."""
+    return tuple(item for item in declared(ServeConfig) if item.setting.pipeline)
 
 
-def _flag_value(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return " ".join(str(v) for v in value)
-    return str(value)
+def _flag_text(item: Declared, value: Any) -> str:
+    """``item`` as written on the command line with ``value``: ``--compile``, ``--ulysses-degree 2``,
+    ``--vae-config.fast-decode false``, ``--allowed-video-dir a --allowed-video-dir b``."""
+    if item.kind is bool:
+        return item.flag if value and item.default is False else f"{item.flag} {str(value).lower()}"
+    if item.multiple:
+        return " ".join(f"{item.flag} {one}" for one in value)
+    return f"{item.flag} {value}"
 
 
-def ignored_settings(options: dict, honoured: Collection[str]) -> list[str]:
-    """The settings in ``options`` (``ServeConfig.pipeline_options``) that differ from a plain
-    ``tilecast serve`` and that a pipeline reading only the option keys ``honoured`` would ignore,
-    named as their flags (``--ulysses-degree 2``, ``--vae-config.fast-decode false``, ``--compile``)."""
-    notes = []
-    flags = {item.path[0]: item.flag.rpartition(".")[0] if len(item.path) > 1 else item.flag
-             for item in declared(ServeConfig)}
-    for key, default in ServeConfig().pipeline_options().items():
-        if key in honoured or key not in options:
-            continue
-        given, flag = options[key], flags[key]
-        if isinstance(default, dict):
-            notes += [f"{flag}.{sub.replace('_', '-')} {_flag_value(value)}"
-                      for sub, value in (given or {}).items() if sub in default and value != default[sub]]
-        elif given != default:
-            notes.append(flag if key in _SWITCHES else f"{flag} {_flag_value(given)}")
-    return notes
+def _honours(item: Declared, honoured: Collection[str]) -> bool:
+    return item.name in honoured or item.path[0] in honoured
+
+
+def check_honoured_names(honoured: Collection[str], owner: str) -> None:
+    """``TypeError`` when ``honoured`` names something that is not a pipeline setting (a typo in a
+    pipeline's ``honoured_settings`` would otherwise refuse the setting it meant to honour)."""
+    known = {item.name for item in pipeline_settings()} | {item.path[0] for item in pipeline_settings()}
+    unknown = sorted(set(honoured) - known)
+    if unknown:
+        raise TypeError(f"{owner}.honoured_settings names {', '.join(unknown)}: not pipeline settings of ServeConfig")
+
+
+def _unsupported(config: ServeConfig, honoured: Collection[str]) -> list[tuple[Declared, Any]]:
+    return [(item, value) for item in pipeline_settings()
+            if (value := functools.reduce(getattr, item.path, config)) != item.default and not _honours(item, honoured)]
+
+
+def unsupported_settings(config: ServeConfig, honoured: Collection[str]) -> list[str]:
+    """The pipeline settings of ``config`` set away from their defaults that a pipeline honouring
+    only ``honoured`` (field names; ``vae`` for all of ``VaeConfig``, ``vae.<field>`` for one) cannot
+    honour, written as their flags (``--ulysses-degree 2``, ``--vae-config.fast-decode false``)."""
+    return [_flag_text(item, value) for item, value in _unsupported(config, honoured)]
+
+
+def honoured_flags(honoured: Collection[str]) -> list[str]:
+    """The flags of the pipeline settings ``honoured`` names, in declaration order."""
+    return [item.flag for item in pipeline_settings() if _honours(item, honoured)]
+
+
+def check_honoured(config: ServeConfig, honoured: Collection[str], *, pipeline: str, model: str | None = None,
+                   reasons: dict[str, str] | None = None) -> None:
+    """Raise ``UnsupportedSettingError`` naming every setting of ``config`` that the pipeline
+    ``pipeline`` (its family name; ``model``: the ``--model-path``) does not honour, and listing what
+    it does honour. ``reasons``: field name → why that setting cannot apply (added to the message)."""
+    check_honoured_names(honoured, pipeline)
+    reasons = reasons or {}
+    refused = []
+    for item, value in _unsupported(config, honoured):
+        why = reasons.get(item.name) or reasons.get(item.path[0])
+        refused.append(_flag_text(item, value) + (f" ({why})" if why else ""))
+    if refused:
+        supported = ", ".join(honoured_flags(honoured)) or "none of the pipeline settings"
+        verb = "is" if len(refused) == 1 else "are"
+        raise UnsupportedSettingError(
+            f"{'; '.join(refused)} {verb} not supported by {model or config.model_path} ({pipeline} honours: "
+            f"{supported}; leave the others at their defaults)"
+        )

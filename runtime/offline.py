@@ -1,20 +1,23 @@
 """``tilecast generate`` on one rank: the same ranks and pipeline as ``serve``, one request, no server.
 
 Rank 0 validates the request exactly as the scheduler would, broadcasts it as a one-item plan,
-all ranks run it, rank 0 writes the output and prints where it is.
+all ranks run it, rank 0 writes the output. What the user sees (progress bar, the saved paths, the
+error) is the launcher's (``launcher/generate.py``): this module only reports through callbacks and
+its ``OfflineResult``, so ``runtime/`` imports no terminal UI.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import all_ranks_ok, broadcast_plan, shutdown_ranks
@@ -26,25 +29,37 @@ from tilecast.scheduler.uploads import materialize, release
 logger = logging.getLogger(__name__)
 
 
-def generate(config: ServeConfig, fields: dict) -> int:
-    """Run one request on every rank; returns the exit code (rank 0 prints the outcome)."""
+@dataclasses.dataclass(kw_only=True)
+class OfflineResult:
+    """What one rank's ``generate`` did (meaningful for the user on rank 0)."""
+
+    rank: int
+    """This process's global rank."""
+    saved: list[Path] = dataclasses.field(default_factory=list)
+    """Rank 0: the files written (the pipeline's outputs, then any ``.npy`` tensors), absolute."""
+    error: str | None = None
+    """Rank 0: why the request was refused or failed (None: it succeeded)."""
+    failed: bool = False
+    """The request failed on some rank (every rank agrees)."""
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed or self.error else 0
+
+
+def generate(
+    config: ServeConfig, fields: dict, *, on_progress: Callable[[int, int], None] | None = None,
+    display: contextlib.AbstractContextManager | None = None,
+) -> OfflineResult:
+    """Run one request (``fields``: the request's fields) on every rank. ``on_progress(done, total)``
+    after each unit of work; ``display`` is entered while the plan runs (a progress bar)."""
     SignalWatcher.install(lambda signum: os._exit(128 + signum if signum != signal.SIGINT else 130))
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank, "WARNING")
-    console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("[bold]super-resolving" if "video_path" in fields else "[bold]generating"),
-        BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False,
-        disable=rank != 0,
-    )
-    task = progress.add_task("work", total=None)
-
-    def on_progress(done: int, total: int) -> None:
-        progress.update(task, completed=done, total=total)
-
     rt = start_rank(config, on_progress=on_progress)
-    rt.ctx.options["flat_output"] = True
-    plan, error = None, None
+    rt.ctx.flat_output = True  # the user named the output directory: write into it, no job folder
+    result = OfflineResult(rank=rt.ranks.rank)
+    plan = None
     if rt.ranks.rank == 0:
         try:
             params = msgspec.convert(fields, rt.pipeline.params_type)
@@ -54,33 +69,28 @@ def generate(config: ServeConfig, fields: dict) -> int:
             release(uploads)
             plan = P.Plan(seq=1, kind="run", items=[item])
         except (msgspec.ValidationError, ValueError) as exc:
-            error = str(exc)
+            result.error = str(exc)
             plan = P.Plan(seq=1, kind="stop")
     plan = broadcast_plan(plan, rt.ranks)
-    code = 0
     if plan.kind == "run":
         outputs, failure = None, None
-        with progress:
+        with display if display is not None else contextlib.nullcontext():
             try:
                 outputs = execute_plan(plan, rt.pipeline, rt.ctx)
             except Exception as exc:  # noqa: BLE001 - reported below on rank 0
                 failure = f"{type(exc).__name__}: {exc}"
         ok = all_ranks_ok(failure is None, rt.ranks)
+        result.failed = not ok
         if rt.ranks.rank == 0:
             if ok:
-                for item in outputs[0].files:
-                    console.print(f"[green]saved[/green] {Path(item.path).resolve()}")
+                result.saved += [Path(item.path).resolve() for item in outputs[0].files]
                 stem = Path(outputs[0].files[0].name).stem if outputs[0].files else "output"
                 for name, tensor in outputs[0].tensors.items():
                     path = (config.output_dir / f"{stem}.{name}.npy").resolve()
                     np.save(path, tensor.cpu().numpy())
-                    console.print(f"[green]saved[/green] {path}")
+                    result.saved.append(path)
             else:
-                error = failure or "the request failed on another rank (see its log)"
-        code = 0 if ok else 1
-    if error and rt.ranks.rank == 0:
-        console.print(f"[red]error:[/red] {error}")
-        code = 1
+                result.error = failure or "the request failed on another rank (see its log)"
     rt.pipeline.close()
     shutdown_ranks(rt.ranks)
-    return code
+    return result

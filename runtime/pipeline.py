@@ -6,6 +6,10 @@ plan that rank 0 broadcasts names the work items; every rank then calls ``Pipeli
 the same items in the same order, and issues the same collectives. Only the output rank's
 return value is used.
 
+Settings arrive typed (``RankContext.settings``, the frozen ``ServeConfig``). A pipeline names the
+fields it reads in ``honoured_settings``; its ``load`` calls ``check_settings`` first, so a setting it
+cannot honour stops start-up on every rank with an error naming the flag.
+
 While it runs, a pipeline tells its ``RankContext``: ``progress(done, total)`` after each unit
 (step, tile) — job progress and the stuck watchdog; ``alive()`` inside long stages that have no
 units (a VAE decode) — the watchdog only; and ``cancel_point()`` at boundaries every rank reaches
@@ -22,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 import msgspec
+
+from tilecast.runtime.config import ServeConfig, check_honoured
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +50,13 @@ class RankContext:
     """Where the output rank writes result files."""
     groups: Any = None
     """``tilecast.runtime.topology.ParallelGroups`` of this run's mesh (None with one rank)."""
-    options: dict = dataclasses.field(default_factory=dict)
-    """Server-wide pipeline options (topology, attention backend, vae config, ...)."""
+    settings: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    """The server's settings (frozen; every rank has the same). A pipeline reads the fields its
+    ``honoured_settings`` names and refuses the others set away from their defaults (``check_settings``)."""
+    flat_output: bool = False
+    """Write a job's files into ``output_dir`` itself instead of a folder per job (``tilecast generate``)."""
+    cache_dir: Path | None = None
+    """Where built-in tiny checkpoints are generated (None: ``$TILECAST_CACHE`` or ``~/.cache/tilecast``)."""
     on_progress: Callable[[int, int], None] | None = None
     """Called with (done, total) units; drives progress bars and the stuck watchdog."""
     heartbeat: Callable[[], None] | None = None
@@ -59,8 +70,8 @@ class RankContext:
 
     def job_dir(self, job_id: str) -> Path:
         """Where a job's files go: a folder per job when serving (names never collide), the output
-        directory itself for ``tilecast generate`` (option ``flat_output``)."""
-        directory = self.output_dir if self.options.get("flat_output") else self.output_dir / job_id
+        directory itself for ``tilecast generate`` (``flat_output``)."""
+        directory = self.output_dir if self.flat_output else self.output_dir / job_id
         directory.mkdir(parents=True, exist_ok=True)
         return directory
 
@@ -206,6 +217,20 @@ class Pipeline(ABC):
 
     max_batch_size: ClassVar[int] = 1
     """Largest batch ``run`` accepts (1: the family does not batch)."""
+
+    honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype"})
+    """The ``ServeConfig`` fields this pipeline reads (``vae`` for every ``--vae-config.*`` field,
+    ``vae.<field>`` for one). Any other pipeline setting (``setting(..., pipeline=True)``) set away
+    from its default stops start-up on every rank (``check_settings``), never silently ignored."""
+    unsupported_reasons: ClassVar[dict[str, str]] = {}
+    """Field name → why this pipeline cannot honour it (added to the refusal)."""
+
+    @classmethod
+    def check_settings(cls, settings: ServeConfig, model_path: str | None = None) -> None:
+        """Raise ``config.UnsupportedSettingError`` (a ``ValueError``) naming each setting of
+        ``settings`` this pipeline does not honour and listing those it does. ``load`` calls it first."""
+        check_honoured(settings, cls.honoured_settings, pipeline=getattr(cls, "family", cls.__name__),
+                       model=model_path, reasons=cls.unsupported_reasons)
 
     @abstractmethod
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:

@@ -104,7 +104,7 @@ def _components_text(components: tuple[str, ...]) -> str | None:
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class PlacementConfig:
     """The validated weight placement (``ServeConfig`` maps the flags onto it; pipelines read it
-    from ``RankContext.options`` with ``from_options``)."""
+    as ``RankContext.settings.placement``)."""
 
     layerwise_offload_components: tuple[str, ...] = ()
     """Components whose blocks stream from host memory (subset of ``COMPONENTS``)."""
@@ -134,6 +134,17 @@ class PlacementConfig:
                 f"{', '.join(both)} cannot be in both {FLAG_LAYERWISE} and {FLAG_COMPONENT}: "
                 f"choose one placement per component"
             )
+        if not self.streaming_dit:
+            for flag, value, default in (
+                (FLAG_PREFETCH, self.dit_offload_prefetch_size, 1),
+                (FLAG_RESIDENT, self.dit_layerwise_resident_layers, 0),
+            ):
+                if value != default:
+                    raise ValueError(
+                        f"{flag} {value} applies only when {FLAG_LAYERWISE} includes the transformer "
+                        f"(it streams {', '.join(self.layerwise_offload_components) or 'nothing'}): add the "
+                        f"transformer or leave {flag} at {default}"
+                    )
         if self.use_fsdp_inference and "transformer" in self.offloaded:
             flag = FLAG_LAYERWISE if "transformer" in self.layerwise_offload_components else FLAG_COMPONENT
             raise ValueError(
@@ -141,20 +152,8 @@ class PlacementConfig:
                 f"(offload only vae/latent_upscaler with FSDP)"
             )
 
-    @classmethod
-    def from_options(cls, options: dict | None) -> "PlacementConfig":
-        """From ``RankContext.options`` (the keys ``ServeConfig.pipeline_options`` writes; all optional)."""
-        options = options or {}
-        return cls(
-            layerwise_offload_components=options.get("layerwise_offload_components"),
-            cpu_offload_components=options.get("cpu_offload_components"),
-            dit_offload_prefetch_size=options.get("dit_offload_prefetch_size", 1),
-            dit_layerwise_resident_layers=options.get("dit_layerwise_resident_layers", 0),
-            use_fsdp_inference=bool(options.get("use_fsdp_inference", False)),
-        )
-
-    def as_options(self) -> dict:
-        """The ``RankContext.options`` entries (component lists as the flags' canonical text)."""
+    def as_fields(self) -> dict:
+        """The ``ServeConfig`` placement fields (component lists as the flags' canonical text)."""
         return {
             "layerwise_offload_components": _components_text(self.layerwise_offload_components),
             "cpu_offload_components": _components_text(self.cpu_offload_components),
@@ -183,21 +182,6 @@ class PlacementConfig:
         if self.cpu_offload_components:
             return "component"
         return "resident"
-
-    def ignored_settings(self) -> list[str]:
-        """Warnings for settings that have no effect (the DiT knobs without streaming the DiT)."""
-        if self.streaming_dit:
-            return []
-        notes = []
-        for flag, value, default in (
-            (FLAG_PREFETCH, self.dit_offload_prefetch_size, 1),
-            (FLAG_RESIDENT, self.dit_layerwise_resident_layers, 0),
-        ):
-            if value != default:
-                notes.append(
-                    f"{flag} {value} is ignored: it applies only when {FLAG_LAYERWISE} includes the transformer"
-                )
-        return notes
 
     def check_topology(
         self, *, world_size: int, tp_size: int = 1, unit_size: int = 1, tile_parallel: bool = False,
@@ -522,23 +506,18 @@ class AppliedPlacement:
     fsdp: bool = False
 
 
-def apply_placement(parts, ctx, options: dict | None = None) -> AppliedPlacement:
-    """Apply the placement in ``options`` (default ``ctx.options``) to the loaded ``parts``
+def apply_placement(parts, ctx) -> AppliedPlacement:
+    """Apply the placement of ``ctx.settings`` (``ServeConfig.placement``) to the loaded ``parts``
     (``K6SRComponents``, already on ``ctx.device``, after attention and DiT-parallel setup).
 
-    Raises ``ValueError`` for an invalid placement; warns (rank 0) about ignored settings."""
-    options = ctx.options if options is None else options
-    config = PlacementConfig.from_options(options)
+    Raises ``ValueError`` for a placement this run's ranks cannot take."""
+    settings = ctx.settings
+    config = settings.placement
     applied = AppliedPlacement(config=config)
-    if ctx.rank == 0:
-        for note in config.ignored_settings():
-            logger.warning(note)
-    unit_size = 1
-    for key in ("tp_size", "ulysses_degree", "ring_degree"):
-        unit_size *= int(options.get(key) or 1)
     config.check_topology(
-        world_size=ctx.world_size, tp_size=int(options.get("tp_size") or 1), unit_size=unit_size,
-        tile_parallel=bool(options.get("tile_parallel")),
+        world_size=ctx.world_size, tp_size=settings.tp_size,
+        unit_size=settings.tp_size * settings.ulysses_degree * settings.ring_degree,
+        tile_parallel=settings.tile_parallel,
     )
     device = torch.device(parts.device)
     modules = {"transformer": parts.transformer, "vae": parts.vae, "latent_upscaler": parts.latent_upscaler}

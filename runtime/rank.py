@@ -146,7 +146,7 @@ def start_rank(
         config.output_dir.mkdir(parents=True, exist_ok=True)
     ctx = RankContext(
         rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, cpu_group=ranks.cpu_group,
-        device_group=ranks.device_group, output_dir=config.output_dir, options=config.pipeline_options(),
+        device_group=ranks.device_group, output_dir=config.output_dir, settings=config,
         on_progress=progress, heartbeat=beat.tick, groups=build_groups(config, ranks),
     )
     layout = layout_of(config, ranks.world_size) if replicas else ReplicaLayout(groups=(tuple(range(ranks.world_size)),))

@@ -9,7 +9,8 @@ section, flag name, choices, bounds, environment variable). From it, with nothin
   the message names the flag);
 - the ``--config`` file (``read_settings_file``: TOML or JSON, keys are field names, sections
   allowed, unknown keys refused with the nearest real one);
-- the start-up log of the effective settings (``describe``; secrets redacted).
+- the start-up log of the effective settings (``describe``; secrets redacted);
+- which settings a pipeline must honour or refuse (``pipeline=True``; ``config.check_honoured``).
 
 Pure Python, no torch: the CLI reads this before deciding whether to start ranks.
 """
@@ -76,6 +77,10 @@ class Setting:
     """Never logged nor shown (``describe`` writes ``<redacted>``)."""
     metavar: str | None = None
     """The value's name in ``--help``."""
+    pipeline: bool = False
+    """A pipeline reads it (``RankContext.settings``): a pipeline that does not name it in its
+    ``honoured_settings`` refuses it at load when it is set away from its default
+    (``config.check_honoured``)."""
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **facts) -> Any:

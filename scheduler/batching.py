@@ -169,15 +169,8 @@ class Batcher:
         self._clock = clock
         self._delay_s = config.delay_ms / 1000.0
         self._rule_caps: dict[tuple[str, str, str | None], int | None] = {}
-        if config.mode == "off":
-            if config.max_size > 1:
-                logger.warning(
-                    "--batching-max-size %s is ignored: --batching-mode is off (use --batching-mode dynamic)",
-                    config.max_size,
-                )
-            if config.rules is not None:
-                logger.warning("--batching-config %s is ignored: --batching-mode is off", config.rules.source)
-        elif config.max_size == 1:
+        # A size or rules file with --batching-mode off is refused by ServeConfig, never ignored here.
+        if config.mode == "dynamic" and config.max_size == 1:
             logger.warning("--batching-mode dynamic with --batching-max-size 1 runs every request alone")
 
     def limits(self, request: QueuedRequest) -> tuple[int, int | None]:

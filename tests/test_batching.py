@@ -26,6 +26,7 @@ from tilecast.scheduler.batching_metrics import (
     percentile_nearest_rank,
 )
 from tilecast.scheduler.batching_rules import BatchingRules
+from tilecast.runtime.config import ServeConfig
 
 FLUX = "black-forest-labs/FLUX.1-dev"
 QWEN = "Qwen/Qwen-Image"
@@ -276,13 +277,12 @@ def test_bad_config_names_the_value(kwargs, message):
     assert message in str(info.value)
 
 
-def test_ignored_settings_are_warned(caplog):
-    rules = BatchingRules.from_dict({"schema_version": 1, "rules": [{"task": "t2v", "max_batch_size": 1}]},
-                                    source="r.json")
-    with caplog.at_level(logging.WARNING):
-        Batcher(BatchingConfig(mode="off", max_size=8, rules=rules))
-    assert "--batching-max-size 8 is ignored" in caplog.text
-    assert "--batching-config r.json is ignored" in caplog.text
+def test_batching_settings_without_dynamic_mode_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="--batching-max-size 8 needs --batching-mode dynamic"):
+        ServeConfig(device="cpu", batching_max_size=8)
+    with pytest.raises(ValueError, match="--batching-config r.json needs --batching-mode dynamic"):
+        ServeConfig(device="cpu", batching_config="r.json")
+    assert ServeConfig(device="cpu", batching_mode="dynamic", batching_max_size=8).batching.user_max == 8
     assert BatchingConfig(mode="off", max_size=8).user_max == 1
 
 

@@ -136,7 +136,7 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_path):
-    from tests.servers import ServerProcess
+    from tests.harness import ServerProcess
 
     TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
     server = ServerProcess(

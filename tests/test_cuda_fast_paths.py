@@ -39,6 +39,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tilecast.runtime.config import ServeConfig
+
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -159,7 +161,7 @@ def _flux_step(dtype, fast: bool, compile_blocks: bool = False, quantize: str | 
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
     if fast:
-        FluxT2IPipeline.install_fast_paths(pipe, {"compile": compile_blocks, "quantize": quantize})
+        FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(compile=compile_blocks, quantize=quantize))
     with torch.inference_mode():
         inputs = step_inputs(pipe, 2, width=128, height=96, max_sequence_length=FluxT2IPipeline.max_sequence_length)
         return pipe.transformer(**inputs)[0].float().cpu()
@@ -188,7 +190,7 @@ def test_flux_compiled_vae_decoder_matches_eager():
     def decode(dtype, compiled):
         pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), dtype)
         if compiled:
-            FluxT2IPipeline.install_fast_paths(pipe, {"compile": True})
+            FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(compile=True))
         latents = torch.randn(2, 16, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         with torch.inference_mode():
             return pipe.vae.decode(latents.to(dtype), return_dict=False)[0].float()
@@ -234,7 +236,7 @@ def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
 
     def images(cuda_graphs):
         pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), torch.bfloat16)
-        FluxT2IPipeline.install_fast_paths(pipe, {"compile": compile_blocks, "cuda_graphs": cuda_graphs})
+        FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(compile=compile_blocks, cuda_graphs=cuda_graphs))
         out = []
         with torch.inference_mode():
             for batch in (1, 2, 1):

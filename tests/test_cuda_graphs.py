@@ -49,18 +49,19 @@ def test_serve_refuses_cuda_graphs_on_cpu_naming_the_flag():
 
 
 def test_k6sr_refuses_cuda_graphs_instead_of_ignoring_it(tmp_path):
+    from tests.harness import make_context
+    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
-    from tilecast.runtime.pipeline import RankContext
 
-    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-                      output_dir=tmp_path, options={"dtype": "float32", "cuda_graphs": True})
-    with pytest.raises(ValueError, match="--cuda-graphs is not available for Kandinsky 6 SR"):
+    ctx = make_context(tmp_path, settings=ServeConfig(device="cuda", cuda_graphs=True))  # refused before any CUDA call
+    with pytest.raises(ValueError, match=r"--cuda-graphs \(one DiT call is seconds.*\) is not supported by tiny/k6sr"):
         K6SRPipeline.load("tiny/k6sr", ctx)
 
 
 def test_flux_installs_cuda_graphs_and_refuses_them_off_the_gpu(tiny_cache):
+    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device; the model is on cpu"):
-        FluxT2IPipeline.install_fast_paths(pipe, {"cuda_graphs": True})
+        FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(device="cuda", dtype="float32", cuda_graphs=True))

@@ -9,17 +9,17 @@ chunk in the last round; a hang there would hit the hard timeout.
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.distributed import run_ranks, one_thread
+from tests.harness import make_context
+from tilecast.runtime.config import ServeConfig, VaeConfig
 from tilecast.runtime.models.k6sr.decode_parallel import decode_serial, decode_whole_tiles, num_rounds, owner_of
 from tilecast.runtime.models.k6sr.tile_parallel import TileWork, select_decode_mode
 from tilecast.runtime.models.k6sr.tiling import plan_tiles
-from tilecast.runtime.pipeline import RankContext
 
 TIMEOUT = 120
 LATENT_FRAMES = 2  # 5 pixel frames
@@ -114,53 +114,42 @@ def test_rounds_deal_chunks_round_robin():
         ({"use_parallel_tiling": True, "use_parallel_decode": True}, 2, "spatial_shard"),  # spatial wins
         ({"use_parallel_tiling": True, "use_parallel_decode": True}, 1, "serial"),  # one GPU
         ({}, 4, "serial"),
-        (None, 4, "serial"),
     ],
 )
 def test_decode_mode_selection(vae, num_ranks, expected):
-    assert select_decode_mode(vae, num_ranks) == expected
+    assert select_decode_mode(VaeConfig(**vae), num_ranks) == expected
 
 
 def test_bad_decode_mode_is_refused():
     with pytest.raises(ValueError, match="parallel-decode-mode"):
-        select_decode_mode({"use_parallel_decode": True, "parallel_decode_mode": "patch"}, 2)
+        select_decode_mode(VaeConfig(use_parallel_decode=True, parallel_decode_mode="patch"), 2)
     with pytest.raises(ValueError, match="decode mode"):
         TileWork(group=None, decode_mode="rows")
 
 
-def test_tile_work_from_options(caplog):
+def test_tile_work_from_settings_refuses_what_cannot_apply():
     vae = {"use_parallel_tiling": True, "use_parallel_decode": True, "parallel_decode_mode": "spatial_shard"}
-    with caplog.at_level(logging.WARNING):
-        work = TileWork.from_options({"tile_parallel": True, "ulysses_degree": 2, "vae": vae}, group=None, num_ranks=2)
-    assert (work.decode_mode, work.tile_parallel) == ("spatial_shard", False)
-    assert "tile_parallel is ignored" in caplog.text
 
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        work = TileWork.from_options({"tile_parallel": True, "vae": vae}, group=None, num_ranks=2)
-    assert (work.decode_mode, work.tile_parallel) == ("spatial_shard", True)
-    assert "use-parallel-decode is ignored" in caplog.text
+    def settings(num_gpus, **fields):
+        return ServeConfig(device="cpu", num_gpus=num_gpus, tile_parallel=True, vae=vae, **fields)
 
-    work = TileWork.from_options({"tile_parallel": True, "ulysses_degree": 2, "vae": vae}, group=None, num_ranks=4)
+    with pytest.raises(ValueError, match="--tile-parallel needs at least two data-parallel units"):
+        TileWork.from_settings(settings(2, ulysses_degree=2), group=None, num_ranks=2)
+    with pytest.raises(ValueError, match="--vae-config.use-parallel-decode cannot apply with --tile-parallel"):
+        TileWork.from_settings(settings(2), group=None, num_ranks=2)
+    work = TileWork.from_settings(settings(4, ulysses_degree=2), group=None, num_ranks=4)
     assert (work.decode_mode, work.tile_parallel, work.unit_size) == ("spatial_shard", True, 2)
 
-    ctx = RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=".", options={"tile_parallel": True, "vae": vae},
-    )
-    work = TileWork.from_context(ctx)  # no process group: one rank
+    work = TileWork.from_context(make_context(tile_parallel=True, vae=vae))  # no process group: one rank
     assert (work.decode_mode, work.tile_parallel, work.is_parallel) == ("serial", False, False)
 
 
 # ---------------------------------------------------------------------------------------------
 # End to end: K6SRPipeline.run on 2 ranks (whole-tile decode; tile-parallel + whole-tile) vs 1 rank.
 
-def _pipeline_ctx(rank, world_size, group, output_dir, cache_dir, media_dir, **options):
-    return RankContext(
-        rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=group, device_group=group,
-        output_dir=output_dir,
-        options={"cache_dir": str(cache_dir), "allowed_video_dirs": [str(media_dir)], **options},
-    )
+def _pipeline_ctx(rank, world_size, group, output_dir, cache_dir, media_dir, **settings):
+    return make_context(output_dir, rank=rank, world_size=world_size, cpu_group=group, device_group=group,
+                        cache_dir=cache_dir, allowed_video_dirs=[str(media_dir)], **settings)
 
 
 def _run_pipeline(ctx, video_path):

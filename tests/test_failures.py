@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tilecast.client import Client, JobFailedError, ServerDeadError
-from tests.servers import ServerProcess, rank_pid
+from tests.harness import ServerProcess, rank_pid
 
 
 def _wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20.0) -> None:

@@ -7,7 +7,6 @@ Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6): batch shape may change kernels, the seeds do
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -16,12 +15,13 @@ import msgspec
 import pytest
 import torch
 
+from tests.harness import make_context
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX, FluxT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
 from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
-from tilecast.runtime.pipeline import RankContext, WorkItem
+from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
 BATCH_TOL = 1e-4
@@ -35,14 +35,6 @@ FAMILIES = {
 }
 
 
-def make_ctx(output_dir: Path) -> RankContext:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    return RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=output_dir, options={"dtype": "float32"},
-    )
-
-
 @pytest.fixture(scope="module")
 def loaded(tiny_cache, tmp_path_factory):
     """name -> (pipeline, ctx), loaded lazily once per module."""
@@ -50,7 +42,7 @@ def loaded(tiny_cache, tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            ctx = make_ctx(tmp_path_factory.mktemp(name.replace("/", "-")))
+            ctx = make_context(tmp_path_factory.mktemp(name.replace("/", "-")), dtype="float32")
             cache[name] = (FAMILIES[name].load(name, ctx), ctx)
         return cache[name]
 
@@ -156,12 +148,12 @@ def test_defaults_are_resolved_in_prepare(loaded):
         ("tiny/flux", {"width": 40}, "width must be a multiple of 16"),
         ("tiny/flux", {"height": 8192}, "height must be a multiple of 16"),
         ("tiny/flux", {"num_inference_steps": 0}, "num_inference_steps"),
-        ("tiny/flux", {"negative_prompt": "blurry"}, "negative_prompt is ignored by flux"),
+        ("tiny/flux", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by flux"),
         ("tiny/flux", {"output_format": "mp4"}, "output_format must be one of png, jpeg"),
         ("tiny/flux", {"output_file_name": "../x.png"}, "output_file_name"),
         ("tiny/flux", {"prompt": "  "}, "prompt must not be empty"),
-        ("tiny/z-image-turbo", {"negative_prompt": "blurry"}, "negative_prompt is ignored"),
-        ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt is ignored"),
+        ("tiny/z-image-turbo", {"negative_prompt": "blurry"}, "negative_prompt cannot be used"),
+        ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],
@@ -196,37 +188,10 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
 
 
-def test_settings_the_families_do_not_read_are_named_as_ignored():
-    from tilecast.runtime.config import ServeConfig, ignored_settings
-    from tilecast.runtime.models.families.common import DiffusersBatchPipeline
-
-    honoured = DiffusersBatchPipeline.honoured_options
-    options = {"tp_size": 1, "ulysses_degree": 2, "ring_degree": 1, "vae": {"use_parallel_tiling": True},
-               "tile_parallel": True, "layerwise_offload_components": "all", "use_fsdp_inference": True}
-    assert ignored_settings(options, honoured) == [
-        "--ulysses-degree 2", "--vae-config.use-parallel-tiling true", "--tile-parallel",
-        "--layerwise-offload-components all", "--use-fsdp-inference true",
-    ]
-    assert ignored_settings({"vae": {}}, honoured) == []
-    assert ignored_settings({"cuda_graphs": True}, honoured) == ["--cuda-graphs"]  # ServeConfig refuses it on CPU
-    # Every server option is covered, not a hand-kept list: a setting added later is caught too.
-    config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, dtype="bfloat16",
-                         allowed_video_dirs=("/data",), quantize="fp8")
-    config = dataclasses.replace(config, vae=dataclasses.replace(config.vae, fast_decode=False))
-    assert ignored_settings(config.pipeline_options(), honoured) == [
-        "--attention-backend sdpa_math", "--allowed-video-dir /data", "--vae-config.fast-decode false",
-        "--quantize fp8",
-    ]
-    assert ignored_settings(config.pipeline_options(), set(config.pipeline_options())) == []
-
-
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
     eager, ctx = loaded(name)
-    compiled = FAMILIES[name].load(name, RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=tmp_path, options={"dtype": "float32", "compile": True},
-    ))
+    compiled = FAMILIES[name].load(name, make_context(tmp_path, dtype="float32", compile=True))
     blocks = [m for m in compiled.pipe.transformer.modules()
               if type(m).__name__ in compiled.pipe.transformer._repeated_blocks]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)

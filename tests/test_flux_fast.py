@@ -8,21 +8,15 @@ reorders the norm and modulation arithmetic; measured 1.3e-6).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.harness import make_context
 from tilecast.kernels.attention import BackendUnavailableError
 from tilecast.runtime.models.families import flux_fast
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.flux_fast import FluxDenseAttnProcessor
-from tilecast.runtime.pipeline import RankContext, WorkItem
-
-
-def _ctx(tmp_path: Path, **options) -> RankContext:
-    return RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-                       output_dir=tmp_path, options={"dtype": "float32", **options})
+from tilecast.runtime.pipeline import WorkItem
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def _attentions(family: FluxT2IPipeline):
 
 
 def test_fast_paths_are_installed_and_match_diffusers(diffusers_pipe, tmp_path, monkeypatch):
-    family = FluxT2IPipeline.load("tiny/flux", _ctx(tmp_path, attention_backend="sdpa_math"))
+    family = FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", attention_backend="sdpa_math"))
     attentions = _attentions(family)
     assert len(attentions) == 2  # one joint block, one single block
     for attn in attentions:
@@ -61,9 +55,9 @@ def test_fast_paths_are_installed_and_match_diffusers(diffusers_pipe, tmp_path, 
 
 def test_bad_attention_backend_fails_at_load_naming_it(tiny_cache, tmp_path):
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        FluxT2IPipeline.load("tiny/flux", _ctx(tmp_path, attention_backend="nope"))
+        FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", attention_backend="nope"))
     with pytest.raises(BackendUnavailableError, match="sdpa_cudnn"):
-        FluxT2IPipeline.load("tiny/flux", _ctx(tmp_path, attention_backend="sdpa_cudnn"))
+        FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", attention_backend="sdpa_cudnn"))
 
 
 def test_a_mask_is_refused_not_ignored():
@@ -72,18 +66,20 @@ def test_a_mask_is_refused_not_ignored():
 
 
 def test_compiled_blocks_match_diffusers(diffusers_pipe, tmp_path):
-    family = FluxT2IPipeline.load("tiny/flux", _ctx(tmp_path, compile=True))
+    family = FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", compile=True))
     blocks = [*family.pipe.transformer.transformer_blocks, *family.pipe.transformer.single_transformer_blocks]
     assert all(block._compiled_call_impl is not None for block in blocks)
     assert family.pipe.vae.decoder._compiled_call_impl is not None
     assert (_image(family) - _image(family, diffusers_pipe)).abs().max().item() <= 1e-4
 
 
-def test_flux_honours_backend_and_compile_and_names_the_rest_as_ignored():
-    from tilecast.runtime.config import ServeConfig, ignored_settings
+def test_flux_honours_backend_and_compile_and_refuses_the_rest():
+    from tilecast.runtime.config import ServeConfig, unsupported_settings
 
     config = ServeConfig(device="cpu", attention_backend="sdpa_math", compile=True, tile_parallel=True)
-    assert ignored_settings(config.pipeline_options(), FluxT2IPipeline.honoured_options) == ["--tile-parallel"]
+    assert unsupported_settings(config, FluxT2IPipeline.honoured_settings) == ["--tile-parallel"]
+    with pytest.raises(ValueError, match="--tile-parallel is not supported by tiny/flux"):
+        FluxT2IPipeline.check_settings(config, "tiny/flux")
 
 
 def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):

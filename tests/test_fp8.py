@@ -19,6 +19,7 @@ from torch import nn
 
 from tilecast.kernels import fp8
 from tilecast.kernels.fp8 import E4M3_MAX, Fp8Linear, quantize_linears, quantize_rows
+from tilecast.runtime.config import ServeConfig
 
 
 def test_rows_map_their_largest_magnitude_onto_e4m3s_and_zero_rows_stay_zero():
@@ -76,7 +77,7 @@ def _flux_step(quantize: str | None) -> tuple[torch.Tensor, object]:
     from tilecast.runtime.models.families.flux import FluxT2IPipeline
 
     pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cpu"), torch.float32)
-    FluxT2IPipeline.install_fast_paths(pipe, {"quantize": quantize})
+    FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(device="cpu", dtype="float32", quantize=quantize))
     with torch.inference_mode():
         inputs = step_inputs(pipe, 2, width=64, height=48, max_sequence_length=FluxT2IPipeline.max_sequence_length)
         return pipe.transformer(**inputs)[0], pipe.transformer
@@ -115,12 +116,11 @@ def test_serve_refuses_an_unknown_quantize_mode_naming_it():
 
 
 def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
+    from tests.harness import make_context
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
-    from tilecast.runtime.pipeline import RankContext
 
-    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-                      output_dir=tmp_path, options={"dtype": "float32", "quantize": "fp8"})
-    with pytest.raises(ValueError, match="--quantize fp8 is not available for Kandinsky 6 SR"):
+    ctx = make_context(tmp_path, dtype="float32", quantize="fp8")
+    with pytest.raises(ValueError, match=r"--quantize fp8 \(its DiT is attention-bound.*\) is not supported by tiny/k6sr"):
         K6SRPipeline.load("tiny/k6sr", ctx)
 
 

@@ -29,7 +29,7 @@ from tilecast.scheduler import protocol as P
 from tilecast.scheduler.http_server import HttpFrontEnd
 
 from tests.media import write_test_video
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 

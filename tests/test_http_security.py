@@ -32,7 +32,7 @@ import pytest
 from tilecast.client import Client, ServerError
 from tilecast.scheduler.http_api import MAX_JSON_BYTES
 
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 from tests.test_http_api import metric_values
 
 pytestmark = pytest.mark.timeout(300)

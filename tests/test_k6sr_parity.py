@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness import make_context
 from tests.media import pattern_frames
 from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
 from tilecast.runtime.models.k6sr.params import SRParams
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
-from tilecast.runtime.pipeline import RankContext
 
 ATOL = 1e-4
 
@@ -36,11 +36,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(tiny_dir, tmp_path_factory) -> K6SRPipeline:
-    ctx = RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=tmp_path_factory.mktemp("out"), options={},
-    )
-    return K6SRPipeline.load(str(tiny_dir), ctx)
+    return K6SRPipeline.load(str(tiny_dir), make_context(tmp_path_factory.mktemp("out")))
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,12 @@ import av
 import pytest
 import torch
 
+from tests.harness import make_context
 from tests.media import write_test_video
 from tilecast.runtime.models.k6sr.params import SRParams
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.models.k6sr.video_io import AUDIO_RATE, read_clip
-from tilecast.runtime.pipeline import RankContext, WorkItem
-
-
-def make_ctx(output_dir: Path, **options) -> RankContext:
-    return RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=output_dir, options=options,
-    )
+from tilecast.runtime.pipeline import WorkItem
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def media_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory, media_dir) -> K6SRPipeline:
     cache = tmp_path_factory.mktemp("cache")
-    ctx = make_ctx(tmp_path_factory.mktemp("out"), cache_dir=str(cache), allowed_video_dirs=[str(media_dir)])
+    ctx = make_context(tmp_path_factory.mktemp("out"), cache_dir=str(cache), allowed_video_dirs=[str(media_dir)])
     pipeline = K6SRPipeline.load("tiny/k6sr", ctx)
     assert (cache / "models" / "tiny-k6sr-v1" / "model_index.json").is_file()
     return pipeline
@@ -44,7 +38,7 @@ def submit(pipe: K6SRPipeline, out_dir: Path, params: SRParams, uploads=None, pr
     """prepare (rank 0 at submit) then run, as the server does."""
     uploads = uploads or {}
     params = pipe.prepare(params, uploads)
-    ctx = make_ctx(out_dir)
+    ctx = make_context(out_dir)
     ctx.on_progress = progress
     return pipe.run([WorkItem(job_id="job", params=params, uploads=uploads)], ctx)[0]
 
@@ -167,7 +161,7 @@ def test_prepare_refuses_bad_input(pipe, media_dir, tmp_path):
 
 def test_video_path_needs_an_allowed_dir(pipe, media_dir, tmp_path):
     good = write_test_video(media_dir / "good2.mp4", 64, 64, 1, 24)
-    no_dirs = K6SRPipeline(pipe.parts, make_ctx(tmp_path))
+    no_dirs = K6SRPipeline(pipe.parts, make_context(tmp_path))
     with pytest.raises(ValueError, match="--allowed-video-dir"):
         no_dirs.prepare(SRParams(video_path=str(good)), {})
     assert no_dirs.prepare(SRParams(), {"video": good.read_bytes()}).video_path is None
@@ -184,7 +178,7 @@ def test_30fps_150_frame_source_end_to_end(pipe, media_dir, tmp_path):
 
 
 def test_bfloat16_runs(tmp_path_factory, media_dir, tmp_path):
-    ctx = make_ctx(tmp_path, cache_dir=str(tmp_path_factory.mktemp("cache16")), dtype="bfloat16",
+    ctx = make_context(tmp_path, cache_dir=str(tmp_path_factory.mktemp("cache16")), dtype="bfloat16",
                    allowed_video_dirs=[str(media_dir)])
     pipeline = K6SRPipeline.load("tiny/k6sr", ctx)
     assert pipeline.parts.dtype == torch.bfloat16
@@ -194,5 +188,5 @@ def test_bfloat16_runs(tmp_path_factory, media_dir, tmp_path):
 
 
 def test_unknown_dtype_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="dtype 'float64'"):
-        K6SRPipeline.load("tiny/k6sr", make_ctx(tmp_path, dtype="float64", cache_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="--dtype must be one of float32, bfloat16, float16, got 'float64'"):
+        K6SRPipeline.load("tiny/k6sr", make_context(tmp_path, dtype="float64", cache_dir=str(tmp_path)))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
+from tests.harness import make_context
 from tilecast.runtime.models.k6sr.params import SRParams
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.pipeline import RankContext
@@ -33,13 +34,10 @@ ROUNDING = 1e-5
 NUM_FRAMES = 9
 
 
-def make_ctx(cache: Path, rank: int = 0, world_size: int = 1, **options) -> RankContext:
+def make_ctx(cache: Path, **settings) -> RankContext:
     """Diffusers' VAE decode everywhere: a placed VAE decodes with it, so the resident reference must too
     (tilecast's decode is compared with it in tests/test_vae_decode.py)."""
-    return RankContext(
-        rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=cache / "out", options={"cache_dir": str(cache), "vae": {"fast_decode": False}, **options},
-    )
+    return make_context(cache / "out", cache_dir=cache, vae={"fast_decode": False}, **settings)
 
 
 def clip(num_frames: int = NUM_FRAMES) -> torch.Tensor:
@@ -259,12 +257,10 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
         topology = Topology(num_gpus=world_size, ulysses_degree=ulysses)
         groups = topology.groups(topology.build_mesh("cpu"))
 
-    def load(**options) -> K6SRPipeline:
-        ctx = RankContext(
-            rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=dist.group.WORLD,
-            device_group=dist.group.WORLD, groups=groups, output_dir=Path(cache) / "out",
-            options={"cache_dir": cache, "ulysses_degree": ulysses, "vae": {"fast_decode": False}, **options},
-        )
+    def load(**settings) -> K6SRPipeline:
+        ctx = make_context(Path(cache) / "out", rank=rank, world_size=world_size, cpu_group=dist.group.WORLD,
+                           device_group=dist.group.WORLD, groups=groups, cache_dir=cache, ulysses_degree=ulysses,
+                           vae={"fast_decode": False}, **settings)
         return K6SRPipeline.load("tiny/k6sr", ctx)
 
     resident = load()
@@ -346,19 +342,20 @@ def test_fsdp_topology_rules():
     config = ServeConfig(device="cpu", num_gpus=2, ulysses_degree=2, use_fsdp_inference=True,
                          layerwise_offload_components="vae, latent_upscaler")
     assert config.placement.picker_name == "fsdp"
-    assert config.pipeline_options()["layerwise_offload_components"] == "vae latent_upscaler"
+    assert config.layerwise_offload_components == "vae latent_upscaler"
     assert ServeConfig(device="cpu", layerwise_offload_components="latent_upscaler transformer vae").layerwise_offload_components == "all"
 
 
-def test_dit_settings_without_streaming_the_dit_warn(cache, caplog):
-    ctx = make_ctx(cache, layerwise_offload_components="vae", dit_offload_prefetch_size=2,
-                   dit_layerwise_resident_layers=3)
-    with caplog.at_level(logging.WARNING, logger="tilecast.runtime.placement"):
-        pipe = K6SRPipeline.load("tiny/k6sr", ctx)
-    assert "--dit-offload-prefetch-size 2 is ignored" in caplog.text
-    assert "--dit-layerwise-resident-layers 3 is ignored" in caplog.text
-    assert "transformer" not in pipe.placement.streamers
-    caplog.clear()
+def test_dit_settings_without_streaming_the_dit_are_refused(cache, caplog):
+    from tilecast.runtime.config import ServeConfig
+
+    for flag, fields in (("--dit-offload-prefetch-size 2", dict(dit_offload_prefetch_size=2)),
+                         ("--dit-layerwise-resident-layers 3", dict(dit_layerwise_resident_layers=3))):
+        with pytest.raises(ValueError, match=f"{flag} applies only when --layerwise-offload-components includes the"
+                                             " transformer \\(it streams vae\\)"):
+            ServeConfig(device="cpu", layerwise_offload_components="vae", **fields)
+        with pytest.raises(ValueError, match=f"{flag} applies only when"):
+            PlacementConfig(**fields)
     with caplog.at_level(logging.WARNING, logger="tilecast.runtime.placement"):
         K6SRPipeline.load("tiny/k6sr", make_ctx(cache, layerwise_offload_components="transformer",
                                                 dit_layerwise_resident_layers=8))

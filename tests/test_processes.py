@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tilecast.client import AsyncClient, Client, JobFailedError, ServerDeadError, read_ready_file
-from tests.servers import ServerProcess, processes_with, rank_pid
+from tests.harness import ServerProcess, processes_with, rank_pid
 
 
 def _serve(tmp_path, num_gpus: int, *extra: str, **kwargs) -> ServerProcess:

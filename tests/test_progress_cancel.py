@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.media import write_test_video
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer

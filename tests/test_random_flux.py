@@ -11,11 +11,12 @@ import functools
 import pytest
 import torch
 
+from tests.harness import make_context
 from tilecast.launcher.options import model_num_heads
 from tilecast.runtime.models.families import released
 from tilecast.runtime.models.families.common import T2IParams
 from tilecast.runtime.models.families.flux import RELEASED_CONFIGS, TINY_OVERRIDES, FluxT2IPipeline, flux_configs
-from tilecast.runtime.pipeline import RankContext, WorkItem
+from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
 
@@ -66,8 +67,7 @@ def test_loads_in_the_requested_dtype_and_serves_a_request(monkeypatch, tmp_path
     """The load path (registry -> load -> build_diffusers -> build_random_flux), scaled down for CPU."""
     monkeypatch.setattr(released, "build_random_flux",
                         functools.partial(released.build_random_flux, overrides=TINY_OVERRIDES))
-    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-                      output_dir=tmp_path, options={"dtype": "bfloat16"})
+    ctx = make_context(tmp_path, dtype="bfloat16")
     pipe = resolve_pipeline("random/flux").load("random/flux", ctx)
     assert pipe.dtype == torch.bfloat16 and pipe.pipe.text_encoder_2.dtype == torch.bfloat16
     again = released.build_random_flux("cpu", torch.bfloat16)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 from tilecast.client import Client, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer

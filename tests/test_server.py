@@ -17,7 +17,7 @@ from tilecast.client import AsyncClient, Client, JobFailedError, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
 from tilecast.runtime.probe import AllReducePipeline, ProbeParams
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ FIELDS = declared(ServeConfig)
 CONTEXT = {  # flags a sample value needs besides its own
     "tp_size": ["--num-gpus", "2"], "ulysses_degree": ["--num-gpus", "2"], "ring_degree": ["--num-gpus", "2"],
     "host": ["--allow-unauthenticated"], "model_path": ["--tp-size", "1"],
+    "batching_max_size": ["--batching-mode", "dynamic"], "batching_config": ["--batching-mode", "dynamic"],
+    "dit_offload_prefetch_size": ["--layerwise-offload-components", "transformer"],
+    "dit_layerwise_resident_layers": ["--layerwise-offload-components", "transformer"],
 }
 
 

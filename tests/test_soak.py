@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.servers import ServerProcess
+from tests.harness import ServerProcess
 from tilecast.scheduler import protocol as P
 
 NUM_THREADS = 8

@@ -137,7 +137,7 @@ def test_a_broken_cache_is_detected_logged_and_rebuilt(tmp_path, reference, dama
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_rank_serve_on_a_fresh_cache_serves(tmp_path, reference):
-    from tests.servers import ServerProcess
+    from tests.harness import ServerProcess
 
     cache = tmp_path / "cache"
     server = ServerProcess(

@@ -84,15 +84,11 @@ def test_norm_modulate_silu_broadcast_equals_materialised_upsample():
 
 # ----------------------------------------------------------------------------- in the pipeline
 
-def _load(cache, **options):
+def _load(cache, **settings):
+    from tests.harness import make_context
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
-    from tilecast.runtime.pipeline import RankContext
 
-    ctx = RankContext(
-        rank=0, world_size=1, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=cache / "out", options={"cache_dir": str(cache), **options},
-    )
-    return K6SRPipeline.load("tiny/k6sr", ctx)
+    return K6SRPipeline.load("tiny/k6sr", make_context(cache / "out", cache_dir=cache, **settings))
 
 
 def _upscale(pipe) -> torch.Tensor:
@@ -110,12 +106,12 @@ def test_pipeline_decodes_with_it_by_default_and_matches_diffusers(tiny_cache):
     torch.testing.assert_close(_upscale(fast), _upscale(reference), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("settings", [
     dict(layerwise_offload_components="vae"),
     dict(cpu_offload_components="vae"),
 ])
-def test_placed_vae_keeps_diffusers_decode(tiny_cache, options):
-    assert _load(tiny_cache, **options).parts.decoder is None
+def test_placed_vae_keeps_diffusers_decode(tiny_cache, settings):
+    assert _load(tiny_cache, **settings).parts.decoder is None
 
 
 def test_spatial_shard_keeps_diffusers_decode(tiny_cache):

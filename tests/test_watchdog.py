@@ -7,15 +7,13 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.harness import make_context
 from tilecast.client import ServerDeadError
-
-from tilecast.runtime.pipeline import RankContext
 from tilecast.runtime.watchdog import ProgressBeat, Watchdog, WatchdogConfig
 
 
@@ -84,8 +82,8 @@ def test_alive_inside_a_long_stage_keeps_rank_0_from_being_stuck(dog):
     seconds is not stuck under a 20 s timeout; the same stage without beats is."""
     watchdog, clock = dog
     beat = watchdog.beat
-    ctx = RankContext(rank=0, world_size=3, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
-                      heartbeat=beat.tick)
+    ctx = make_context(world_size=3)
+    ctx.heartbeat = beat.tick
     beat.set_busy(True)
 
     def stage(second: int) -> dict:
@@ -100,16 +98,15 @@ def test_alive_inside_a_long_stage_keeps_rank_0_from_being_stuck(dog):
 
 def test_alive_during_beats_on_every_module_call_and_unhooks():
     beat = ProgressBeat()
-    ctx = RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
-                      heartbeat=beat.tick)
+    ctx = make_context()
+    ctx.heartbeat = beat.tick
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 1)))
     with ctx.alive_during(net):
         net(torch.ones(1, 2))
     assert beat.counter == 5  # the two Sequentials, two Linears, one ReLU
     net(torch.ones(1, 2))
     assert beat.counter == 5  # hooks gone
-    with RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None,
-                     output_dir=Path(".")).alive_during(net):
+    with make_context().alive_during(net):
         net(torch.ones(1, 2))  # no heartbeat: nothing hooked, nothing fails
 
 
@@ -133,8 +130,8 @@ def test_kvae_decode_beats_per_decoder_block():
     assert len(beats) == 3 * blocks
 
     beat = ProgressBeat()
-    ctx = RankContext(rank=0, world_size=1, device="cpu", cpu_group=None, device_group=None, output_dir=Path("."),
-                      heartbeat=beat.tick)
+    ctx = make_context()
+    ctx.heartbeat = beat.tick
     with torch.no_grad(), ctx.alive_during(vae):
         stages.decode_latents(SimpleNamespace(vae=vae, decoder=None), latents)
     assert beat.counter > 3 * blocks
@@ -171,7 +168,7 @@ def test_a_served_sr_decode_longer_than_the_stuck_timeout_completes(tmp_path):
 
 
 def _probe_server(tmp_path, *extra: str):
-    from tests.servers import ServerProcess
+    from tests.harness import ServerProcess
 
     return ServerProcess("--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu",
                          "--output-dir", str(tmp_path), "--stuck-timeout-s", "2", *extra)
@@ -207,7 +204,7 @@ def test_two_ranks_a_long_beating_stage_completes_and_a_rank_that_stops_is_stuck
 def test_a_sigstopped_rank_is_declared_dead_while_its_peer_beats(tmp_path):
     """SIGSTOP freezes a rank's compute and heartbeats alike: even though rank 0 keeps beating in its
     long stage, the frozen rank is named after ``--heartbeat-timeout-s``."""
-    from tests.servers import rank_pid
+    from tests.harness import rank_pid
     from tilecast.client import Client
 
     server = _probe_server(tmp_path, "--heartbeat-timeout-s", "3")

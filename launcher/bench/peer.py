@@ -29,6 +29,7 @@ import torch
 
 from tilecast.launcher.bench.batching import WARMUP_SEQUENTIAL, bench_request
 from tilecast.launcher.bench.report import time_calls
+from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline
 from tilecast.runtime.pipeline import RankContext, WorkItem
 from tilecast.runtime.registry import resolve_pipeline
@@ -86,7 +87,7 @@ def measure_diffusers_peer(
             f" {model_path!r} is served by {family_cls.__name__}"
         )
     ctx = RankContext(rank=0, world_size=1, device=torch.device(device), cpu_group=None, device_group=None,
-                      output_dir=Path("."))
+                      output_dir=Path("."), settings=ServeConfig(model_path=model_path, device=device, dtype=dtype))
     family = family_cls(family_cls.build_diffusers(model_path, ctx.device, getattr(torch, dtype)), ctx)
     try:
         return _measure(family, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields)

@@ -41,18 +41,19 @@ CONFIGS: dict[str, dict] = {
     "layerwise vae latent_upscaler": dict(layerwise_offload_components="vae latent_upscaler"),
     "component all": dict(cpu_offload_components="all"),
 }
-"""Row name → placement options (``RankContext.options`` keys); ``resident`` must come first."""
+"""Row name → placement settings (``ServeConfig`` fields); ``resident`` must come first."""
 GIB = 2**30
 
 
-def _context(device: torch.device, options: dict):
+def _context(device: torch.device, placement: dict):
+    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.pipeline import RankContext
 
     return RankContext(rank=0, world_size=1, device=device, cpu_group=None, device_group=None,
-                       output_dir=Path("outputs"), options=options)
+                       output_dir=Path("outputs"), settings=ServeConfig(device=device.type, **placement))
 
 
-def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: int, seed: int,
+def _measure_one(name: str, placement: dict, frames, *, device, dtype, repeats: int, seed: int,
                  build: Callable) -> tuple[dict, torch.Tensor]:
     import torch
 
@@ -63,7 +64,7 @@ def _measure_one(name: str, options: dict, frames, *, device, dtype, repeats: in
     cuda = device.type == "cuda"
     parts = build(device, dtype)
     install_dense_attention(parts.transformer)
-    applied = apply_placement(parts, _context(device, options))
+    applied = apply_placement(parts, _context(device, placement))
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tilecast.launcher.bench.report import max_rel_diff, psnr_db, ratio, time_repeated
+from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -89,10 +90,10 @@ def run_step_bench(
             rows.append(dict(model=model_path, width=width, height=height, batch=batch, dtype=dtype,
                              tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12, diffusers_ms=ms,
                              diffusers_warmup_s=warmup_s, reference=out))
-        family.install_fast_paths(
-            pipe, {"attention_backend": attention_backend, "compile": compile_blocks, "quantize": quantize,
-                   "cuda_graphs": cuda_graphs}
-        )
+        family.install_fast_paths(pipe, ServeConfig(
+            model_path=model_path, device=device, dtype=dtype, attention_backend=attention_backend,
+            compile=compile_blocks, quantize=quantize, cuda_graphs=cuda_graphs,
+        ))
         for row in rows:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
             reference = row.pop("reference").float()

@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
-from tilecast.runtime.config import ignored_settings
+from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
@@ -215,9 +215,10 @@ class DiffusersBatchPipeline(Pipeline):
     max_sequence_length: ClassVar[int] = 128
     """Text tokens per prompt passed to diffusers (the tiny encoders need few)."""
     max_batch_size: ClassVar[int] = 16
-    honoured_options: ClassVar[frozenset[str]] = frozenset({"model_id", "dtype", "compile"})
-    """The server options these families read; any other one set away from its default is warned
-    about at load as ignored (``config.ignored_settings``)."""
+    honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype", "compile"})
+    """The ``ServeConfig`` fields these families read (``Pipeline.honoured_settings``); any other
+    pipeline setting set away from its default stops ``load`` with an error naming its flag. A
+    family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
 
@@ -247,21 +248,18 @@ class DiffusersBatchPipeline(Pipeline):
         return pipe
 
     @classmethod
-    def install_fast_paths(cls, pipe: Any, options: dict[str, Any]) -> None:
+    def install_fast_paths(cls, pipe: Any, settings: ServeConfig) -> None:
         """Change the loaded diffusers pipeline in place for speed, keeping its function. Default:
         with ``--compile``, diffusers' regional compilation of the transformer's repeated blocks. A
-        family that reads more ``options`` here lists them in ``honoured_options``."""
-        if options.get("compile"):
+        family that reads more of ``settings`` here lists them in ``honoured_settings``."""
+        if settings.compile:
             pipe.transformer.compile_repeated_blocks()
 
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
-        pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.options.get("dtype") or "float32"))
-        cls.install_fast_paths(pipe, ctx.options)
-        if ctx.rank == 0:
-            for setting in ignored_settings(ctx.options, cls.honoured_options):
-                logger.warning("%s: %s is ignored (this family runs diffusers' pipeline replicated on every rank)",
-                               cls.family, setting)
+        cls.check_settings(ctx.settings, model_path)  # on every rank, before any weight is read
+        pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
+        cls.install_fast_paths(pipe, ctx.settings)
         return cls(pipe, ctx)
 
     # ---------------------------------------------------------------- requests
@@ -302,7 +300,7 @@ class DiffusersBatchPipeline(Pipeline):
         check_output_file_name(params.output_file_name)
         params = msgspec.structs.replace(params, num_inference_steps=steps, guidance_scale=float(guidance))
         if params.negative_prompt is not None and not self.guidance_on(params):
-            raise ValueError(f"negative_prompt is ignored by {self.family}: {self.no_guidance_reason(params)}")
+            raise ValueError(f"negative_prompt cannot be used by {self.family}: {self.no_guidance_reason(params)}")
         self.validate(params)
         return params
 

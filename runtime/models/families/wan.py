@@ -77,9 +77,9 @@ class WanT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
-    honoured_options = DiffusersBatchPipeline.honoured_options | {"vae"}
-    """Also ``--vae-config.*``: ``wan_decode.install`` reads the parallel decode settings and warns
-    about the others."""
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
+    """Also the parallel decode settings, which ``wan_decode.install`` reads; the other ``--vae-config.*``
+    settings (K6 SR's tiles and K-VAE decoder) are refused."""
 
     def __init__(self, pipe, ctx) -> None:
         from tilecast.runtime.models.families import wan_decode  # imports diffusers' Wan VAE module

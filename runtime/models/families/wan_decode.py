@@ -67,7 +67,7 @@ whole frame (the Wan pipeline does not tile). The decode group is ``ctx.groups.d
 ranks of one DP replica; with one rank per replica (``--num-gpus 2`` and no Ulysses, Ring or TP
 degree) it has one rank and the setting has no effect (a warning says so).
 ``--vae-config.use-parallel-tiling`` (whole tiles) and ``--vae-config.fast-decode`` (K-VAE only)
-have no meaning for Wan and are warned about as ignored, like every other unread setting.
+have no meaning for Wan: ``WanT2VPipeline.load`` refuses them, like every setting it does not honour.
 
 Bands: latent rows split as evenly as possible (uneven 3/3/2 is fine,
 ``k6sr.spatial_shard.shard_sizes``); a video with fewer than ``MIN_ROWS_PER_SHARD`` latent rows per
@@ -99,7 +99,6 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
 
 from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_exchange
-from tilecast.runtime.config import ignored_settings
 from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
 from tilecast.runtime.models.k6sr.tile_parallel import select_decode_mode
 
@@ -283,25 +282,18 @@ class ShardedWanDecode:
         return f"ShardedWanDecode(group of {group_size(self.group)} ranks)"
 
 
-HONOURED_VAE_SETTINGS = frozenset({"use_parallel_decode", "parallel_decode_mode"})
-"""The ``--vae-config.*`` settings Wan reads (the others are K6 SR's)."""
-
-
 def install(vae, ctx) -> bool:
     """Make ``vae.decode`` the sharded decode over ``ctx.groups.decode_group`` when
     ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
-    whether it did. Warns (rank 0) about the ``--vae-config.*`` settings Wan does not read, and when
-    the decode group has one rank. Raises ``ValueError`` for a decode mode other than
-    ``spatial_shard``."""
-    vae_options = dict(ctx.options.get("vae") or {})
+    whether it did. Reads ``ctx.settings.vae`` (the other ``--vae-config.*`` settings are refused
+    by ``WanT2VPipeline.load`` before this runs); warns (rank 0) when the decode group has one rank.
+    Raises ``ValueError`` for a decode mode other than ``spatial_shard``."""
+    vae_settings = ctx.settings.vae
     group = ctx.groups.decode_group if ctx.groups is not None else None
     num_ranks = group_size(group) if group is not None else 1
-    mode = select_decode_mode({k: v for k, v in vae_options.items() if k in HONOURED_VAE_SETTINGS}, num_ranks)
+    mode = select_decode_mode(vae_settings, num_ranks)
     if ctx.rank == 0:
-        unread = {k: v for k, v in vae_options.items() if k not in HONOURED_VAE_SETTINGS}
-        for setting in ignored_settings({"vae": unread}, ()):
-            logger.warning("wan2.1-t2v: %s is ignored (a K6 SR tile setting; Wan decodes whole frames)", setting)
-        if vae_options.get("use_parallel_decode") and mode == "serial":
+        if vae_settings.use_parallel_decode and mode == "serial":
             logger.warning(
                 "wan2.1-t2v: --vae-config.use-parallel-decode has no effect: the decode group (the ranks of one "
                 "data-parallel replica) has one rank; give a replica several ranks with --ulysses-degree, "

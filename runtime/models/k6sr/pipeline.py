@@ -5,19 +5,23 @@ Stages per request: input (PyAV decode, frame/audio rules) → encode → latent
 on the output rank, plus raw frames when asked). Requests are not batched together
 (``max_batch_size = 1``); every rank runs the same work in the same order.
 
-Options read from ``RankContext.options`` at load:
+Settings read from ``RankContext.settings`` at load (``K6SRPipeline.honoured_settings``; any other
+pipeline setting away from its default is refused at load):
 
-- ``dtype``: ``"float32"`` (default) or ``"bfloat16"``;
+- ``dtype``: float32 (the CPU default), bfloat16 (the CUDA default) or float16;
 - ``allowed_video_dirs``: directories ``video_path`` may point into (none: uploads only);
-- ``attention_backend`` / ``attention_parallel``: passed to ``tilecast.kernels.attention``;
-- ``model_id``: routing only (see ``runtime/registry.py``);
-- ``cache_dir``: where ``tiny/k6sr`` is generated (default ``$TILECAST_CACHE``).
+- ``attention_backend``: passed to ``tilecast.kernels.attention``;
+- ``tp_size``, ``ulysses_degree``, ``ring_degree``: the DiT's sharding (``dit_parallel``; the mesh
+  groups come from ``RankContext.groups``);
 - ``vae`` (``--vae-config.*``), ``tile_parallel``: how tiles are spread over the ranks
   (``tile_parallel.TileWork``) and whether the VAE decodes with tilecast's channels-last decoder
-  (``vae_decode.py``) or diffusers' own.
+  (``vae_decode.py``) or diffusers' own;
 - ``layerwise_offload_components``, ``cpu_offload_components``, ``dit_offload_prefetch_size``,
   ``dit_layerwise_resident_layers``, ``use_fsdp_inference``: weight placement
-  (``runtime/placement.py``), applied last.
+  (``runtime/placement.py``), applied last;
+- ``compile``: regional ``torch.compile`` of the DiT's blocks.
+
+``RankContext.cache_dir`` says where ``tiny/k6sr`` is generated (default ``$TILECAST_CACHE``).
 
 Shapes: ``video_BCFHW`` float ``[-1, 1]``; ``frames_FHWC`` uint8.
 """
@@ -96,12 +100,21 @@ class K6SRPipeline(Pipeline):
     params_type: ClassVar[type[msgspec.Struct]] = SRParams
     upload_fields: ClassVar[tuple[str, ...]] = ("video",)
     max_batch_size: ClassVar[int] = 1
+    honoured_settings: ClassVar[frozenset[str]] = frozenset({
+        "dtype", "allowed_video_dirs", "attention_backend", "tp_size", "ulysses_degree", "ring_degree", "vae",
+        "tile_parallel", "compile", "layerwise_offload_components", "cpu_offload_components",
+        "dit_offload_prefetch_size", "dit_layerwise_resident_layers", "use_fsdp_inference",
+    })
+    unsupported_reasons: ClassVar[dict[str, str]] = {
+        "quantize": "its DiT is attention-bound, so its linear layers run in --dtype",
+        "cuda_graphs": "one DiT call is seconds of GPU work, so there is no launch overhead to remove",
+    }
 
     def __init__(self, parts: K6SRComponents, ctx: RankContext, model_name: str = "") -> None:
         self.parts = parts
         self.ctx = ctx
         self.model_name = model_name
-        self.allowed_video_dirs: list[str] = [str(d) for d in ctx.options.get("allowed_video_dirs") or []]
+        self.allowed_video_dirs: list[str] = [str(d) for d in ctx.settings.allowed_video_dirs]
         self.tile_work = TileWork.from_context(ctx)
         self.placement: AppliedPlacement | None = None
         """Where the weights live (``runtime/placement.py``); set by ``load``."""
@@ -109,37 +122,27 @@ class K6SRPipeline(Pipeline):
     # ------------------------------------------------------------------ load
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "K6SRPipeline":
-        options = ctx.options
-        if options.get("quantize"):
-            raise ValueError(f"--quantize {options['quantize']} is not available for Kandinsky 6 SR: its DiT is "
-                             "attention-bound, so its linear layers run in --dtype")
-        if options.get("cuda_graphs"):
-            raise ValueError("--cuda-graphs is not available for Kandinsky 6 SR: one DiT call is seconds of GPU work, "
-                             "so there is no launch overhead to remove")
-        dtype = parse_dtype(options.get("dtype"))
+        settings = ctx.settings
+        cls.check_settings(settings, model_path)
+        dtype = parse_dtype(settings.resolved_dtype)
         video_io.require_encoders()
         if model_path == TINY_MODEL:
-            cache_dir = options.get("cache_dir")
-            model_dir = ensure_tiny_k6sr(Path(cache_dir) if cache_dir else None)
+            model_dir = ensure_tiny_k6sr(ctx.cache_dir)
         else:
             model_dir = Path(model_path)
             if not model_dir.is_dir():
                 raise ValueError(f"--model-path {model_path!r} is not a local diffusers-format directory")
         parts = load_components(model_dir, device=ctx.device, dtype=dtype)
-        install_dense_attention(
-            parts.transformer,
-            backend=options.get("attention_backend"),
-            parallel=options.get("attention_parallel"),
-        )
+        install_dense_attention(parts.transformer, backend=settings.attention_backend)
         if ctx.groups is not None:
             groups = dit_groups_from_mesh(ctx.groups.mesh)
             if any(group is not None for group in groups.values()):
-                apply_dit_parallel(parts.transformer, **groups, backend=options.get("attention_backend"))
+                apply_dit_parallel(parts.transformer, **groups, backend=settings.attention_backend)
         pipeline = cls(parts, ctx, model_name=model_path)
-        pipeline.placement = apply_placement(parts, ctx, options)
+        pipeline.placement = apply_placement(parts, ctx)
         if pipeline.fast_decode_applies():
             parts.decoder = ChannelsLastDecoder(parts.vae)
-        if options.get("compile"):
+        if settings.compile:
             parts.transformer.compile_repeated_blocks()  # last: after parallel hooks and placement
         return pipeline
 
@@ -147,7 +150,7 @@ class K6SRPipeline(Pipeline):
         """Whether tilecast's channels-last VAE decode can replace diffusers' here: asked for
         (``--vae-config.fast-decode``, default on), no spatial-shard decode (it patches diffusers'
         modules) and the VAE resident (streaming and offload hook diffusers' forwards)."""
-        wanted = (self.ctx.options.get("vae") or {}).get("fast_decode", True)
+        wanted = self.ctx.settings.vae.fast_decode
         placed = self.placement is not None and "vae" in self.placement.config.offloaded
         return bool(wanted) and self.tile_work.decode_mode != "spatial_shard" and not placed
 

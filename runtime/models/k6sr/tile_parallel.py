@@ -24,7 +24,7 @@ spans all DP replicas of the mesh. Modes:
   (``unit_group``: the replica's decode group). The decoded chunks meet in
   ``decode_parallel.blend_rounds`` (serial blend order), so the output on every rank is
   bit-identical to serial (whole decode) for the same DiT topology. With a single unit (the DiT
-  spans all ranks) it is ignored with a warning.
+  spans all ranks) it is refused (``ValueError``), and so is spatial-shard decode with units of one rank.
 
 **Pipelining** (tile-parallel): each unit loops denoise → decode over its own chunks, and the
 all_gather of round ``r`` runs asynchronously (gloo's worker thread on CPU, NCCL's stream on
@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Callable
 
 import torch
 
 from tilecast.kernels.halo import group_rank, group_size
+from tilecast.runtime.config import ServeConfig, VaeConfig
 from tilecast.runtime.models.k6sr.decode_parallel import blend_rounds, decode_serial, decode_whole_tiles, owner_of
 from tilecast.runtime.models.k6sr.spatial_shard import decode_spatial_shard
 from tilecast.runtime.models.k6sr.tiling import TilePlan
@@ -55,20 +55,18 @@ StepCallback = Callable[[int, int], None]
 DecodeFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def select_decode_mode(vae_options: dict | None, num_ranks: int) -> str:
-    """``"serial"``, ``"whole_tile"`` or ``"spatial_shard"`` from the ``--vae-config.*`` options.
+def select_decode_mode(vae: VaeConfig, num_ranks: int) -> str:
+    """``"serial"``, ``"whole_tile"`` or ``"spatial_shard"`` from the ``--vae-config.*`` settings.
 
     Spatial shard wins when both flags are on; a single rank always decodes serially.
     """
-    vae_options = vae_options or {}
-    mode = vae_options.get("parallel_decode_mode", "spatial_shard")
-    if vae_options.get("use_parallel_decode") and mode != "spatial_shard":
-        raise ValueError(f"--vae-config.parallel-decode-mode must be spatial_shard, got {mode!r}")
+    if vae.use_parallel_decode and vae.parallel_decode_mode != "spatial_shard":
+        raise ValueError(f"--vae-config.parallel-decode-mode must be spatial_shard, got {vae.parallel_decode_mode!r}")
     if num_ranks == 1:
         return "serial"
-    if vae_options.get("use_parallel_decode"):
+    if vae.use_parallel_decode:
         return "spatial_shard"
-    if vae_options.get("use_parallel_tiling"):
+    if vae.use_parallel_tiling:
         return "whole_tile"
     return "serial"
 
@@ -97,37 +95,35 @@ class TileWork:
 
     @classmethod
     def from_context(cls, ctx) -> "TileWork":
-        """From ``ctx.options`` (``vae``, ``tile_parallel``, the DiT degrees), ``ctx.device_group`` and
+        """From ``ctx.settings`` (``vae``, ``tile_parallel``, the DiT degrees), ``ctx.device_group`` and
         ``ctx.groups`` (the mesh's groups; ``decode_group`` is a unit's group)."""
         group = ctx.device_group
         num_ranks = group_size(group) if group is not None else 1
         unit_group = ctx.groups.decode_group if getattr(ctx, "groups", None) is not None else None
-        return cls.from_options(ctx.options or {}, group=group, num_ranks=num_ranks, unit_group=unit_group)
+        return cls.from_settings(ctx.settings, group=group, num_ranks=num_ranks, unit_group=unit_group)
 
     @classmethod
-    def from_options(cls, options: dict, *, group, num_ranks: int, unit_group=None) -> "TileWork":
-        """Read ``options["vae"]`` (``--vae-config.*``), ``options["tile_parallel"]`` and the DiT degrees
-        (``tp_size``, ``ulysses_degree``, ``ring_degree``); warn about settings that cannot apply."""
-        vae = options.get("vae") or {}
+    def from_settings(cls, settings: ServeConfig, *, group, num_ranks: int, unit_group=None) -> "TileWork":
+        """Read ``settings.vae`` (``--vae-config.*``), ``settings.tile_parallel`` and the DiT degrees
+        (``tp_size``, ``ulysses_degree``, ``ring_degree``). ``ValueError`` for a combination that
+        cannot apply on ``num_ranks`` ranks (tile-parallel with one unit; spatial-shard decode inside
+        units of one rank). On one rank everything decodes serially (the same result)."""
+        vae = settings.vae
         mode = select_decode_mode(vae, num_ranks)
-        tile_parallel = bool(options.get("tile_parallel"))
-        unit_size = math.prod(int(options.get(k) or 1) for k in ("tp_size", "ulysses_degree", "ring_degree"))
+        unit_size = settings.tp_size * settings.ulysses_degree * settings.ring_degree
         if num_ranks == 1:
-            if tile_parallel or vae.get("use_parallel_tiling") or vae.get("use_parallel_decode"):
-                logger.info("one rank: tile-parallel and parallel VAE decode settings have no effect")
             return cls(group=group, decode_mode="serial")
-        if not tile_parallel:
+        if not settings.tile_parallel:
             return cls(group=group, decode_mode=mode)
         if num_ranks % unit_size or num_ranks == unit_size:
-            logger.warning(
-                "tile_parallel is ignored: the DiT is sharded (TP x Ulysses x Ring = %d) across all %d ranks, "
-                "so there is no second data-parallel unit to give tiles to", unit_size, num_ranks,
+            raise ValueError(
+                f"--tile-parallel needs at least two data-parallel units, but the DiT is sharded (TP x Ulysses x "
+                f"Ring = {unit_size}) across all {num_ranks} ranks: drop --tile-parallel or lower the degrees"
             )
-            return cls(group=group, decode_mode=mode)
         if mode == "spatial_shard" and unit_size == 1:
-            logger.warning(
-                "--vae-config.use-parallel-decode is ignored with tile_parallel on unsharded DiT ranks: each "
-                "rank decodes the chunks it denoised whole"
+            raise ValueError(
+                "--vae-config.use-parallel-decode cannot apply with --tile-parallel on unsharded DiT ranks (each "
+                "rank decodes the chunks it denoised whole): drop one of them"
             )
         return cls(group=group, decode_mode=mode, tile_parallel=True, unit_size=unit_size, unit_group=unit_group)
 

@@ -1,8 +1,12 @@
-"""Start a real ``tilecast serve`` (torchrun ranks) for a test, and make sure nothing outlives it.
+"""Test helpers for running pipelines and servers: one module, two entry points.
 
-The server binds ports the OS picks (``--port 0``, and ``--http-port 0`` with ``http=True``) and
-reports them in its ready file, so no test ever races another process for a port. The ready
-file's path, unique per server, is also what finds the server's processes (its command line).
+- ``make_context``: a ``RankContext`` built by hand (what ``start_rank`` builds on a rank), its
+  settings a real ``ServeConfig``, for tests that load a pipeline without starting ranks.
+- ``start_server`` and friends: a real ``tilecast serve`` (torchrun ranks) for a test, and make sure
+  nothing outlives it. The server binds ports the OS picks (``--port 0``, and ``--http-port 0`` with
+  ``http=True``) and reports them in its ready file, so no test ever races another process for a
+  port. The ready file's path, unique per server, is also what finds the server's processes (its
+  command line).
 """
 
 from __future__ import annotations
@@ -15,7 +19,38 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import Any
+
 from tilecast.client import Client, read_ready_file
+
+
+def make_context(
+    output_dir: str | Path = ".", *, rank: int = 0, world_size: int = 1, device: Any = "cpu", cpu_group: Any = None,
+    device_group: Any = None, groups: Any = None, cache_dir: str | Path | None = None, settings: Any = None,
+    **fields: Any,
+):
+    """A ``RankContext`` for rank ``rank`` of ``world_size`` on ``device`` (text or ``torch.device``).
+
+    Its settings are ``settings`` (a ``ServeConfig``), or a ``ServeConfig`` of ``fields`` (its field
+    names: ``dtype="bfloat16"``, ``vae={"fast_decode": False}``, ``compile=True``, ...) on ``device``'s
+    type with ``num_gpus=world_size``: the same checks as the command line. ``cache_dir``: where
+    built-in tiny checkpoints are generated. Other keywords of ``RankContext`` (``heartbeat``,
+    ``on_progress``, ``flat_output``, ``plan``) may be set on the result."""
+    import torch
+
+    from tilecast.runtime.config import ServeConfig
+    from tilecast.runtime.pipeline import RankContext
+
+    device = torch.device(device)
+    if settings is None:
+        settings = ServeConfig(**{"device": device.type, "num_gpus": world_size, **fields})
+    elif fields:
+        raise TypeError(f"give either settings or ServeConfig fields, not both ({', '.join(fields)})")
+    return RankContext(
+        rank=rank, world_size=world_size, device=device, cpu_group=cpu_group, device_group=device_group,
+        groups=groups, output_dir=Path(output_dir), settings=settings,
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+    )
 
 
 def processes_with(marker: str) -> list[int]:
