@@ -10,8 +10,10 @@
   tolerance, not bit-exactly (measured per family in ``tests/test_families.py``).
 - PNG / JPEG writing through PIL and MP4 writing through PyAV.
 
-Ranks: sequence parallelism is out of scope for these families. With ``world_size > 1`` every rank
-loads the whole model and computes the same batch (replicated); only the output rank writes files.
+Ranks: every rank loads the whole model and runs the same batch; only the output rank writes
+files. With an Ulysses or Ring degree above 1 the transformer's token sequence is split over those
+ranks (the family's ``cp_plan``, ``families.sequence_parallel``); text encoders, VAE and scheduler
+stay replicated. Otherwise the ranks compute the same batch (replicated).
 
 Shape legend: ``B`` batch, ``F`` frames, ``C`` channels, ``H``/``W`` pixels.
 """
@@ -32,6 +34,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.models.families.sequence_parallel import install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
@@ -221,6 +224,10 @@ class DiffusersBatchPipeline(Pipeline):
     family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
+    cp_plan: ClassVar[Any] = None
+    """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
+    naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
+    (``families.sequence_parallel``). ``None``: the family runs replicated only."""
 
     def __init__(self, pipe, ctx: RankContext) -> None:
         self.pipe = pipe
@@ -260,6 +267,7 @@ class DiffusersBatchPipeline(Pipeline):
         cls.check_settings(ctx.settings, model_path)  # on every rank, before any weight is read
         pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
         cls.install_fast_paths(pipe, ctx.settings)
+        install_for_family(pipe, cls, ctx)  # Ulysses / Ring over the transformer's tokens, when asked for
         return cls(pipe, ctx)
 
     # ---------------------------------------------------------------- requests
@@ -341,7 +349,7 @@ class DiffusersBatchPipeline(Pipeline):
 
         def on_step(_pipe, step, _timestep, callback_kwargs):
             ctx.progress(step + 1, steps)
-            ctx.cancel_point()  # every rank runs the same steps (replicated): a boundary they share
+            ctx.cancel_point()  # every rank runs the same steps (replicated or split): a boundary they share
             return callback_kwargs
 
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
@@ -350,9 +358,9 @@ class DiffusersBatchPipeline(Pipeline):
         return result.float().cpu()
 
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
-        """Every rank computes the whole batch (replicated; no sequence parallelism for these
-        families); only the output rank writes files. Tensors are returned on every rank. A batch
-        whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
+        """Every rank computes the whole batch (replicated, or with the transformer's tokens split
+        over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on
+        every rank. A batch whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
         outputs_BX = self.generate(items, ctx)
         ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):

@@ -18,6 +18,7 @@ from typing import Callable
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,14 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     diffusers_class = "FluxPipeline"
     checkpoint = TINY_FLUX
     builtin_name = "tiny/flux"
+    cp_plan = "diffusers:FluxTransformer2DModel._cp_plan"
     size_multiple = 16
     default_guidance = 3.5
     max_sequence_length = 128
-    honoured_settings = DiffusersBatchPipeline.honoured_settings | {"attention_backend", "quantize", "cuda_graphs"}
+    honoured_settings = (
+        DiffusersBatchPipeline.honoured_settings | {"attention_backend", "quantize", "cuda_graphs"}
+        | SEQUENCE_PARALLEL_SETTINGS
+    )
 
     @classmethod
     def install_fast_paths(cls, pipe, settings) -> None:

@@ -18,6 +18,7 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
     diffusers_class = "QwenImagePipeline"
     checkpoint = TINY_QWEN_IMAGE
     builtin_name = "tiny/qwen-image"
+    cp_plan = "diffusers:QwenImageTransformer2DModel._cp_plan"
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | SEQUENCE_PARALLEL_SETTINGS
     size_multiple = 16
     default_guidance = 4.0
     max_sequence_length = 256

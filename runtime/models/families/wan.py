@@ -19,6 +19,7 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
+from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +72,17 @@ class WanT2VPipeline(DiffusersBatchPipeline):
     diffusers_class = "WanPipeline"
     checkpoint = TINY_WAN
     builtin_name = "tiny/wan2.1-t2v"
+    cp_plan = "diffusers:WanTransformer3DModel._cp_plan"
     size_multiple = 16
     default_guidance = 5.0
     max_sequence_length = 64
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
-    honoured_settings = DiffusersBatchPipeline.honoured_settings | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
+    honoured_settings = (
+        DiffusersBatchPipeline.honoured_settings | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
+        | SEQUENCE_PARALLEL_SETTINGS
+    )
     """Also the parallel decode settings, which ``wan_decode.install`` reads; the other ``--vae-config.*``
     settings (K6 SR's tiles and K-VAE decoder) are refused."""
 

@@ -16,6 +16,7 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,34 @@ TINY_Z_IMAGE = TinyCheckpoint(
 )
 
 
+def z_image_cp_plan() -> dict:
+    """``ZImageTransformer2DModel``'s context-parallel plan, in diffusers' ``_cp_plan`` form (diffusers
+    ships none for Z-Image). Its three regions are sequence-parallel one after another: the image
+    tokens through the noise refiner, the caption tokens through the context refiner, the unified
+    ``[image, caption]`` sequence through the main layers. Each region splits its blocks' ``x`` at
+    the first block and the per-token mask and rotary table at every block; the refiners' outputs
+    are gathered after their last block (the model then builds the unified sequence per sample),
+    the main layers' after the final projection (the smallest tensor).
+    """
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    per_token = {
+        "attn_mask": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
+        "freqs_cis": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+        "noise_mask": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
+    }
+    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    plan: dict = {}
+    for region in ("noise_refiner", "context_refiner", "layers"):
+        plan[f"{region}.0"] = {"x": tokens}
+        plan[f"{region}.*"] = per_token
+    plan["noise_refiner.-1"] = gather
+    plan["context_refiner.-1"] = gather
+    plan["all_final_layer.*"] = gather
+    return plan
+
+
 def ensure_tiny_z_image(cache_dir=None):
     """Directory of ``tiny/z-image-turbo`` (generated on first use under ``<cache>/models/tiny-z-image-turbo-v1``)."""
     return TINY_Z_IMAGE.ensure(cache_dir)
@@ -70,6 +99,8 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
     diffusers_class = "ZImagePipeline"
     checkpoint = TINY_Z_IMAGE
     builtin_name = "tiny/z-image-turbo"
+    cp_plan = f"{__name__}:z_image_cp_plan"
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | SEQUENCE_PARALLEL_SETTINGS
     size_multiple = 16
     default_guidance = 0.0
     max_sequence_length = 128
