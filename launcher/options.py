@@ -172,10 +172,13 @@ def build_config(values: dict[str, Any]) -> ServeConfig:
 
     With none of the three degrees given, the layout is picked: the largest Ulysses degree that
     divides both the GPU count (of one replica group with ``dp_degree``) and the model's heads, the
-    rest in Ring."""
+    rest in Ring. With ``--tile-parallel`` the picked layout is one rank per data-parallel unit (all
+    degrees 1): tile-parallel needs at least two units, and sharding the DiT over every rank leaves one."""
     values = dict(values)
     degrees = ("tp_size", "ulysses_degree", "ring_degree")
-    if not any(name in values for name in degrees):
+    if not any(name in values for name in degrees) and values.get("tile_parallel") is True:
+        values |= {name: 1 for name in degrees}
+    elif not any(name in values for name in degrees):
         from tilecast.runtime.picker import suggest_topology
 
         num_gpus = values.get("num_gpus", 1)

@@ -192,3 +192,13 @@ def test_runtime_and_kernels_import_no_terminal_ui():
                  for p in _sources("runtime", "kernels") if _imports(p) & {"typer", "rich", "click"}]
     assert offenders == []
     assert {"rich"} <= _imports(ROOT / "launcher" / "generate.py")
+
+
+def test_tile_parallel_picks_one_rank_per_unit_instead_of_a_refused_layout():
+    """Left to pick the degrees, ``--tile-parallel`` gets units of one rank (sharding the DiT over
+    every rank would leave one unit, which ``TileWork`` refuses)."""
+    from tilecast.launcher.options import build_config
+
+    config = build_config({"model_path": "tiny/k6sr", "device": "cpu", "num_gpus": 2, "tile_parallel": True})
+    assert (config.tp_size, config.ulysses_degree, config.ring_degree) == (1, 1, 1)
+    assert build_config({"model_path": "tiny/k6sr", "device": "cpu", "num_gpus": 2}).ulysses_degree == 2
