@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tilecast-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint format test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,16 @@ install: $(STAMP)
 demo: install
 	$(PY) -P -m tilecast.launcher.demo
 
-test: install
+# ruff's lint and format check (config in pyproject.toml); `make format` applies both.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install lint
 	$(PY) -P -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install

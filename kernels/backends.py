@@ -101,9 +101,7 @@ def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype | 
     return sorted(n for n, b in _REGISTRY.items() if b.unavailable_reason(device, dtype) is None)
 
 
-def resolve_backend(
-    name: str | None, device: torch.device | str, dtype: torch.dtype | None = None
-) -> AttentionBackend:
+def resolve_backend(name: str | None, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
     """Map a user-facing name to a runnable backend.
 
     ``None``/``"auto"`` picks the first available of the device's preference list; ``"torch_sdpa"``
@@ -251,6 +249,7 @@ def _fa(q_BSHD, k_BKHD, v_BKHD, *, scale: float):
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _CUDA_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
 
 def _devices(name: str) -> frozenset[str]:
     return caps.traits(name).devices

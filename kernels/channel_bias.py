@@ -20,8 +20,9 @@ import torch
 from tilecast.kernels.spatial_norm import row_tiling, triton_available
 
 
-def reference_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
-               residual_BTHWC: torch.Tensor | None = None) -> torch.Tensor:
+def reference_(
+    y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None, residual_BTHWC: torch.Tensor | None = None
+) -> torch.Tensor:
     """The two adds in PyTorch."""
     if bias_C is not None:
         y_BTHWC.add_(bias_C)
@@ -36,8 +37,16 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(y_ptr, bias_ptr, residual_ptr, num_rows, channels, HAS_RESIDUAL: tl.constexpr,
-               BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    def kernel(
+        y_ptr,
+        bias_ptr,
+        residual_ptr,
+        num_rows,
+        channels,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
         dtype = y_ptr.dtype.element_ty
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
@@ -53,25 +62,39 @@ def _triton_kernel():
     return kernel
 
 
-def triton_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
-            residual_BTHWC: torch.Tensor | None = None) -> torch.Tensor:
+def triton_(
+    y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None, residual_BTHWC: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference_`` in one Triton kernel (contiguous CUDA tensors; anything else goes to ``reference_``)."""
-    if bias_C is None or not y_BTHWC.is_contiguous() or (residual_BTHWC is not None and (
-            not residual_BTHWC.is_contiguous() or residual_BTHWC.shape != y_BTHWC.shape)):
+    if (
+        bias_C is None
+        or not y_BTHWC.is_contiguous()
+        or (
+            residual_BTHWC is not None and (not residual_BTHWC.is_contiguous() or residual_BTHWC.shape != y_BTHWC.shape)
+        )
+    ):
         return reference_(y_BTHWC, bias_C, residual_BTHWC)
     kernel = _triton_kernel()
     channels = y_BTHWC.shape[-1]
     num_rows = y_BTHWC.numel() // channels
     grid, block_c, rows = row_tiling(num_rows, channels)
     kernel[grid](
-        y_BTHWC, bias_C.contiguous(), y_BTHWC if residual_BTHWC is None else residual_BTHWC, num_rows, channels,
-        HAS_RESIDUAL=residual_BTHWC is not None, BLOCK_C=block_c, ROWS=rows, num_warps=4,
+        y_BTHWC,
+        bias_C.contiguous(),
+        y_BTHWC if residual_BTHWC is None else residual_BTHWC,
+        num_rows,
+        channels,
+        HAS_RESIDUAL=residual_BTHWC is not None,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        num_warps=4,
     )
     return y_BTHWC
 
 
-def add_bias_(y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None,
-              residual_BTHWC: torch.Tensor | None = None) -> torch.Tensor:
+def add_bias_(
+    y_BTHWC: torch.Tensor, bias_C: torch.Tensor | None, residual_BTHWC: torch.Tensor | None = None
+) -> torch.Tensor:
     """``y += bias (+ residual)`` in place and return ``y``: ``triton_`` on CUDA when Triton is importable."""
     kernel = triton_ if y_BTHWC.is_cuda and triton_available() else reference_
     return kernel(y_BTHWC, bias_C, residual_BTHWC)

@@ -60,8 +60,10 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if self.in_features % ALIGNMENT or self.out_features % ALIGNMENT:
-            raise ValueError(f"Fp8Linear needs feature counts that are multiples of {ALIGNMENT}, "
-                             f"got {self.in_features} -> {self.out_features}")
+            raise ValueError(
+                f"Fp8Linear needs feature counts that are multiples of {ALIGNMENT}, "
+                f"got {self.in_features} -> {self.out_features}"
+            )
         weight_q_NK, weight_scale_N1 = quantize_rows(linear.weight.detach())
         self.register_buffer("weight_q_NK", weight_q_NK)
         self.register_buffer("weight_scale_1N", weight_scale_N1.t().contiguous())
@@ -72,8 +74,12 @@ class Fp8Linear(nn.Module):
         # cuBLAS' row-scaled FP8 GEMM writes bf16 only; CPU writes any float dtype.
         out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16
         y_MN = torch._scaled_mm(
-            x_q_MK, self.weight_q_NK.t(), scale_a=x_scale_M1, scale_b=self.weight_scale_1N,
-            bias=None if self.bias is None else self.bias.to(out_dtype), out_dtype=out_dtype,
+            x_q_MK,
+            self.weight_q_NK.t(),
+            scale_a=x_scale_M1,
+            scale_b=self.weight_scale_1N,
+            bias=None if self.bias is None else self.bias.to(out_dtype),
+            out_dtype=out_dtype,
         )
         return y_MN.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -98,9 +104,12 @@ def quantize_linears(root: nn.Module, *, keep: Callable[[str], bool] = lambda na
     feature counts ``_scaled_mm`` cannot take. The bf16 weights are released as each layer is
     replaced, so memory shrinks instead of growing."""
     targets = [
-        (name, module) for name, module in root.named_modules()
-        if type(module) is nn.Linear and not keep(name)
-        and not module.in_features % ALIGNMENT and not module.out_features % ALIGNMENT
+        (name, module)
+        for name, module in root.named_modules()
+        if type(module) is nn.Linear
+        and not keep(name)
+        and not module.in_features % ALIGNMENT
+        and not module.out_features % ALIGNMENT
     ]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")

@@ -100,8 +100,23 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(sample_ptr, output_ptr, out_ptr, numel, channels, sigma, raw_src, raw_dst, shift, one_minus_shift,
-               shift_minus_one, eps, num_substeps, N_GRID: tl.constexpr, BLOCK: tl.constexpr):
+    def kernel(
+        sample_ptr,
+        output_ptr,
+        out_ptr,
+        numel,
+        channels,
+        sigma,
+        raw_src,
+        raw_dst,
+        shift,
+        one_minus_shift,
+        shift_minus_one,
+        eps,
+        num_substeps,
+        N_GRID: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         grid_base = (offsets // channels) * (N_GRID * channels) + offsets % channels
@@ -142,9 +157,23 @@ def triton_rollout(sample_NC: torch.Tensor, output_NGC: torch.Tensor, step: Pifl
     out_NC = torch.empty_like(sample_NC)
     block = 1024
     _triton_kernel()[(triton.cdiv(sample_NC.numel(), block),)](
-        sample_NC, output_NGC, out_NC, sample_NC.numel(), channels, step.sigma_src, step.raw_src, step.raw_dst,
-        step.shift, 1 - step.shift, step.shift - 1, step.eps, step.num_substeps,
-        N_GRID=step.n_grid, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        sample_NC,
+        output_NGC,
+        out_NC,
+        sample_NC.numel(),
+        channels,
+        step.sigma_src,
+        step.raw_src,
+        step.raw_dst,
+        step.shift,
+        1 - step.shift,
+        step.shift - 1,
+        step.eps,
+        step.num_substeps,
+        N_GRID=step.n_grid,
+        BLOCK=block,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return out_NC
 

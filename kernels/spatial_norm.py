@@ -24,8 +24,15 @@ import torch.nn.functional as F
 
 
 def reference(
-    h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
+    h_BTHWC: torch.Tensor,
+    scale: float,
+    gamma_C: torch.Tensor,
+    y_BTHWC: torch.Tensor,
+    b_BTHWC: torch.Tensor,
+    rh: int,
+    rw: int,
+    out: torch.Tensor | None = None,
+    h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch ops in diffusers' order (``Kandinsky6VAERMSNorm`` then ``Kandinsky6SRSpatialNorm3D``, then SiLU)."""
     batch, frames, height, width, channels = h_BTHWC.shape
@@ -59,9 +66,26 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(h_ptr, h_bias_ptr, gamma_ptr, y_ptr, b_ptr, out_ptr, scale, num_rows, channels, height, width,
-               latent_height, latent_width, rh, rw, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
-               ROWS: tl.constexpr):
+    def kernel(
+        h_ptr,
+        h_bias_ptr,
+        gamma_ptr,
+        y_ptr,
+        b_ptr,
+        out_ptr,
+        scale,
+        num_rows,
+        channels,
+        height,
+        width,
+        latent_height,
+        latent_width,
+        rh,
+        rw,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
         dtype = h_ptr.dtype.element_ty
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
@@ -96,8 +120,15 @@ def _triton_kernel():
 
 
 def triton_fused(
-    h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
+    h_BTHWC: torch.Tensor,
+    scale: float,
+    gamma_C: torch.Tensor,
+    y_BTHWC: torch.Tensor,
+    b_BTHWC: torch.Tensor,
+    rh: int,
+    rw: int,
+    out: torch.Tensor | None = None,
+    h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``reference`` in one Triton kernel (CUDA tensors), written straight into ``out`` when it is contiguous."""
     if out is not None and not out.is_contiguous():
@@ -109,9 +140,25 @@ def triton_fused(
     num_rows = h_BTHWC.numel() // channels
     grid, block_c, rows = row_tiling(num_rows, channels)
     kernel[grid](
-        h_BTHWC, gamma_C if h_bias_C is None else h_bias_C.contiguous(), gamma_C.contiguous(), y_BTHWC, b_BTHWC, out,
-        float(scale), num_rows, channels, height, width, height // rh, width // rw, rh, rw,
-        HAS_BIAS=h_bias_C is not None, BLOCK_C=block_c, ROWS=rows, num_warps=8 if block_c >= 1024 else 4,
+        h_BTHWC,
+        gamma_C if h_bias_C is None else h_bias_C.contiguous(),
+        gamma_C.contiguous(),
+        y_BTHWC,
+        b_BTHWC,
+        out,
+        float(scale),
+        num_rows,
+        channels,
+        height,
+        width,
+        height // rh,
+        width // rw,
+        rh,
+        rw,
+        HAS_BIAS=h_bias_C is not None,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        num_warps=8 if block_c >= 1024 else 4,
     )
     return out
 
@@ -126,8 +173,15 @@ def triton_available() -> bool:
 
 
 def norm_modulate_silu(
-    h_BTHWC: torch.Tensor, scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor,
-    rh: int, rw: int, out: torch.Tensor | None = None, h_bias_C: torch.Tensor | None = None,
+    h_BTHWC: torch.Tensor,
+    scale: float,
+    gamma_C: torch.Tensor,
+    y_BTHWC: torch.Tensor,
+    b_BTHWC: torch.Tensor,
+    rh: int,
+    rw: int,
+    out: torch.Tensor | None = None,
+    h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``triton_fused`` for CUDA tensors when Triton is importable, else ``reference``; the result goes
     to ``out`` (``h``'s shape and dtype) when given, and is returned. ``h_bias_C`` (the bias of the

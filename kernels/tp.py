@@ -81,9 +81,7 @@ class RowParallelLinear(nn.Linear):
 _STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear}
 
 
-def parallelize_linears(
-    model: nn.Module, plan: Mapping[str, ShardStyle], group: dist.ProcessGroup | None
-) -> list[str]:
+def parallelize_linears(model: nn.Module, plan: Mapping[str, ShardStyle], group: dist.ProcessGroup | None) -> list[str]:
     """Shard every ``nn.Linear`` whose qualified name matches a plan pattern; returns their names.
 
     Patterns are ``fnmatch`` globs over ``model.named_modules()`` names (``*`` matches dots too,
@@ -102,7 +100,9 @@ def parallelize_linears(
         for pattern, style in plan.items():
             if fnmatch.fnmatchcase(name, pattern):
                 if not isinstance(module, nn.Linear) or isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                    raise ValueError(f"plan entry {pattern!r} matches {name!r}, a {type(module).__name__}, not a plain nn.Linear")
+                    raise ValueError(
+                        f"plan entry {pattern!r} matches {name!r}, a {type(module).__name__}, not a plain nn.Linear"
+                    )
                 targets.append((name, style))
                 used.add(pattern)
                 break

@@ -28,8 +28,9 @@ def output_shape(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int) ->
     return batch, frames * rt - drop, height * rh, width * rw, channels
 
 
-def reference(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def reference(
+    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The copy from a broadcast view, in PyTorch."""
     batch, frames, height, width, channels = x_BTHWC.shape
     shape = output_shape(x_BTHWC, rt, rh, rw, drop)
@@ -48,8 +49,24 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, out_ptr, num_rows, channels, frames, height, width, out_frames, out_height, out_width,
-               rt, rh, rw, drop, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    def kernel(
+        x_ptr,
+        out_ptr,
+        num_rows,
+        channels,
+        frames,
+        height,
+        width,
+        out_frames,
+        out_height,
+        out_width,
+        rt,
+        rh,
+        rw,
+        drop,
+        BLOCK_C: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows < num_rows)[:, None] & (cols < channels)[None, :]
@@ -66,8 +83,9 @@ def _triton_kernel():
     return kernel
 
 
-def triton_repeat(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def triton_repeat(
+    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference`` in one Triton kernel (CUDA tensors); straight into ``out`` when it is contiguous."""
     shape = output_shape(x_BTHWC, rt, rh, rw, drop)
     if out is not None and tuple(out.shape) != shape:
@@ -81,14 +99,30 @@ def triton_repeat(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 
     num_rows = out.numel() // channels
     grid, block_c, rows = row_tiling(num_rows, channels)
     kernel[grid](
-        x_BTHWC, out, num_rows, channels, frames, height, width, shape[1], shape[2], shape[3], rt, rh, rw, drop,
-        BLOCK_C=block_c, ROWS=rows, num_warps=4,
+        x_BTHWC,
+        out,
+        num_rows,
+        channels,
+        frames,
+        height,
+        width,
+        shape[1],
+        shape[2],
+        shape[3],
+        rt,
+        rh,
+        rw,
+        drop,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        num_warps=4,
     )
     return out
 
 
-def repeat_nearest(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def repeat_nearest(
+    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``triton_repeat`` for CUDA tensors when Triton is importable, else ``reference``."""
     kernel = triton_repeat if x_BTHWC.is_cuda and triton_available() else reference
     return kernel(x_BTHWC, rt, rh, rw, drop, out=out)

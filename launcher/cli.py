@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -22,7 +22,10 @@ from tilecast.launcher.preflight import validate_topology
 from tilecast.runtime.config import ServeConfig
 
 app = typer.Typer(
-    name="tilecast", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    name="tilecast",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
     help="Serve and run diffusion models on torchrun ranks.",
 )
 console = Console(stderr=True)
@@ -42,8 +45,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    show_version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                               help="Print tilecast's version and exit.")] = False,
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print tilecast's version and exit.")
+    ] = False,
 ) -> None:
     """Serve and run diffusion models on torchrun ranks."""
 
@@ -82,10 +86,14 @@ def _run_ranks(config: ServeConfig, entry) -> int:
     return launch(config.num_gpus, sys.argv[1:])
 
 
-ConfigFile = Annotated[Optional[Path], typer.Option(
-    O.CONFIG_FLAG, help="TOML or JSON file of settings (keys: the field names); flags override it.",
-    dir_okay=False,
-)]
+ConfigFile = Annotated[
+    Optional[Path],
+    typer.Option(
+        O.CONFIG_FLAG,
+        help="TOML or JSON file of settings (keys: the field names); flags override it.",
+        dir_okay=False,
+    ),
+]
 
 
 @app.command(cls=O.SettingsCommand)
@@ -120,8 +128,12 @@ def generate(
     sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
     sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
     sr_tile_min_overlap: Annotated[Optional[float], typer.Option("--sr-tile-min-overlap")] = None,
-    sr_target_resolution: Annotated[Optional[str], typer.Option("--sr-target-resolution", help="hd | fullhd | 2k | WxH.")] = None,
-    sr_target_resize_mode: Annotated[Optional[str], typer.Option("--sr-target-resize-mode", help="fit | exact.")] = None,
+    sr_target_resolution: Annotated[
+        Optional[str], typer.Option("--sr-target-resolution", help="hd | fullhd | 2k | WxH.")
+    ] = None,
+    sr_target_resize_mode: Annotated[
+        Optional[str], typer.Option("--sr-target-resize-mode", help="fit | exact.")
+    ] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt")] = None,
     width: Annotated[Optional[int], typer.Option("--width")] = None,
     height: Annotated[Optional[int], typer.Option("--height")] = None,
@@ -129,7 +141,9 @@ def generate(
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale")] = None,
     num_inference_steps: Annotated[Optional[int], typer.Option("--num-inference-steps")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
-    save_output: Annotated[bool, typer.Option("--save-output/--no-save-output", help="Write the result file (always on).")] = True,
+    save_output: Annotated[
+        bool, typer.Option("--save-output/--no-save-output", help="Write the result file (always on).")
+    ] = True,
     output_path: Annotated[Path, typer.Option("--output-path", help="Directory for the result.")] = Path("outputs"),
     output_file_name: Annotated[Optional[str], typer.Option("--output-file-name")] = None,
     save_frames: Annotated[bool, typer.Option("--save-frames", help="Also save the raw uint8 frames as .npy.")] = False,
@@ -139,19 +153,30 @@ def generate(
         _fail("--no-save-output: tilecast generate always writes its result; use --output-path to choose where")
     fields = {
         "video_path": str(video_path.resolve()) if video_path else None,
-        "sr_resolution_scale": sr_resolution_scale, "sr_tiles_batch_size": sr_tiles_batch_size,
-        "sr_tile_min_overlap": sr_tile_min_overlap, "sr_target_resolution": sr_target_resolution,
-        "sr_target_resize_mode": sr_target_resize_mode, "prompt": prompt, "width": width, "height": height,
-        "num_frames": num_frames, "guidance_scale": guidance_scale, "num_inference_steps": num_inference_steps,
-        "seed": seed, "output_file_name": output_file_name, "return_frames": True if save_frames else None,
+        "sr_resolution_scale": sr_resolution_scale,
+        "sr_tiles_batch_size": sr_tiles_batch_size,
+        "sr_tile_min_overlap": sr_tile_min_overlap,
+        "sr_target_resolution": sr_target_resolution,
+        "sr_target_resize_mode": sr_target_resize_mode,
+        "prompt": prompt,
+        "width": width,
+        "height": height,
+        "num_frames": num_frames,
+        "guidance_scale": guidance_scale,
+        "num_inference_steps": num_inference_steps,
+        "seed": seed,
+        "output_file_name": output_file_name,
+        "return_frames": True if save_frames else None,
     }
     fields = {key: value for key, value in fields.items() if value is not None}
     if video_path is not None and not video_path.is_file():
         _fail(f"--video-path {video_path} is not a file")
     try:
         values = O.settings_values(settings, config_file, "generate")
-        values |= {"output_dir": output_path,
-                   "allowed_video_dirs": (video_path.resolve().parent,) if video_path else ()}
+        values |= {
+            "output_dir": output_path,
+            "allowed_video_dirs": (video_path.resolve().parent,) if video_path else (),
+        }
         config = O.build_config(values)
         validate_topology(config)
     except ValueError as exc:
@@ -166,9 +191,8 @@ def generate(
 
 
 def _mount_subcommands() -> None:
-    from tilecast.launcher.topology_cli import topology_app
-
     from tilecast.launcher.bench import bench_app
+    from tilecast.launcher.topology_cli import topology_app
 
     app.add_typer(topology_app, name="topology", help="Validate, pick and plan parallel topologies.")
     app.add_typer(bench_app, name="bench", help="Benchmarks against their peers (GPU).")

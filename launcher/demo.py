@@ -54,9 +54,26 @@ def main(argv: list[str] | None = None) -> int:
 
     ready_file = Path(tempfile.mkdtemp(prefix="tilecast-demo-")) / "ready.json"
     command = [
-        sys.executable, "-m", "tilecast", "serve", "--model-path", "tiny/k6sr", "--num-gpus", str(args.num_gpus),
-        "--device", "cpu", "--port", "0", "--ready-file", str(ready_file), "--allowed-video-dir", str(inputs),
-        "--output-dir", str(out / "server"), "--vae-config.use-parallel-tiling", "true",
+        sys.executable,
+        "-m",
+        "tilecast",
+        "serve",
+        "--model-path",
+        "tiny/k6sr",
+        "--num-gpus",
+        str(args.num_gpus),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready_file),
+        "--allowed-video-dir",
+        str(inputs),
+        "--output-dir",
+        str(out / "server"),
+        "--vae-config.use-parallel-tiling",
+        "true",
     ]
     console.print("[dim]$ " + " ".join(command[1:]).replace(sys.executable, "python"))
     server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -68,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"server up: {health.model} on {health.world_size} ranks ({endpoint})")
             started = time.perf_counter()
 
-            result = client.generate(video=landscape, sr_resolution_scale=2, num_inference_steps=2, seed=42, timeout=600)
+            result = client.generate(
+                video=landscape, sr_resolution_scale=2, num_inference_steps=2, seed=42, timeout=600
+            )
             saved = result.files[0].save(results)
             table.add_row("upload landscape.mp4, x2", str(saved), describe(saved))
 
@@ -80,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
             def concurrent(seed: int) -> None:
                 with Client(endpoint) as worker:
-                    res = worker.generate(video=landscape, sr_resolution_scale=2, seed=seed,
-                                          output_file_name=f"landscape_seed{seed}.mp4", timeout=600)
+                    res = worker.generate(
+                        video=landscape,
+                        sr_resolution_scale=2,
+                        seed=seed,
+                        output_file_name=f"landscape_seed{seed}.mp4",
+                        timeout=600,
+                    )
                     outcomes.append((f"concurrent upload, seed {seed}", res.files[0].save(results)))
 
             threads = [threading.Thread(target=concurrent, args=(seed,)) for seed in (7, 8)]
@@ -95,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             stats = client.stats()
             client.shutdown()
         console.print(table)
-        console.print(f"{stats['jobs']['completed']} requests completed in {elapsed:.1f} s; outputs are in [bold]{results}[/bold]")
+        console.print(
+            f"{stats['jobs']['completed']} requests completed in {elapsed:.1f} s; outputs are in [bold]{results}[/bold]"
+        )
         return 0
     finally:
         try:

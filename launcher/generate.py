@@ -20,7 +20,11 @@ def generate(config: ServeConfig, fields: dict) -> int:
     console = Console(stderr=True)
     progress = Progress(
         TextColumn("[bold]super-resolving" if "video_path" in fields else "[bold]generating"),
-        BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False,
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
         disable=rank != 0,
     )
     task = progress.add_task("work", total=None)

@@ -22,7 +22,12 @@ from typer.core import TyperCommand
 
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.settings import (
-    SECTIONS, SERVE_ONLY_SECTIONS, Declared, declared, nest, read_settings_file,
+    SECTIONS,
+    SERVE_ONLY_SECTIONS,
+    Declared,
+    declared,
+    nest,
+    read_settings_file,
 )
 
 CONFIG_FLAG = "--config"
@@ -43,8 +48,9 @@ def parse_bool(value: str | bool, flag: str) -> bool:
 
 def command_fields(command: str) -> tuple[Declared, ...]:
     """The declared fields ``command`` (``serve`` or ``generate``) takes as flags."""
-    return tuple(item for item in declared(ServeConfig)
-                 if command == "serve" or item.section not in SERVE_ONLY_SECTIONS)
+    return tuple(
+        item for item in declared(ServeConfig) if command == "serve" or item.section not in SERVE_ONLY_SECTIONS
+    )
 
 
 def _param_name(item: Declared) -> str:
@@ -73,8 +79,10 @@ def _parameter(item: Declared) -> inspect.Parameter:
         extra["metavar"] = "|".join(facts.choices) if facts.choices else (facts.metavar or item.kind.__name__.upper())
     if facts.envvar:
         extra |= {"envvar": facts.envvar, "show_envvar": True}
-    annotation = Annotated[Optional[list[kind] if item.multiple else kind],
-                           typer.Option(item.flag, help=_help(item), show_default=False, **extra)]
+    annotation = Annotated[
+        Optional[list[kind] if item.multiple else kind],
+        typer.Option(item.flag, help=_help(item), show_default=False, **extra),
+    ]
     return inspect.Parameter(_param_name(item), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
@@ -116,7 +124,7 @@ class SettingsCommand(TyperCommand):
         for index, arg in enumerate(args):
             expanded.append(arg)
             if arg == "--":
-                expanded += args[index + 1:]
+                expanded += args[index + 1 :]
                 break
             following = args[index + 1] if index + 1 < len(args) else None
             if arg in switches and (following is None or following.startswith("-")):
@@ -147,8 +155,10 @@ def settings_values(given: dict[str, Any], config_file: Path | None, command: st
     allowed = {item.name for item in command_fields(command)}
     values = read_settings_file(config_file, ServeConfig, allowed=allowed) if config_file else {}
     kinds = {item.name: item for item in command_fields(command)}
-    given = {name: parse_bool(value, kinds[name].flag) if kinds[name].kind is bool else value
-             for name, value in given.items()}
+    given = {
+        name: parse_bool(value, kinds[name].flag) if kinds[name].kind is bool else value
+        for name, value in given.items()
+    }
     for name, value in nest(given).items():
         if isinstance(value, dict):
             values[name] = {**values.get(name, {}), **value}
@@ -186,7 +196,11 @@ def build_config(values: dict[str, Any]) -> ServeConfig:
         if isinstance(num_gpus, int) and isinstance(dp_degree, int) and dp_degree >= 1:
             num_gpus //= dp_degree  # the layout of one data-parallel replica group
         num_heads = model_num_heads(values.get("model_path", "tiny/k6sr"))
-        layout = suggest_topology(num_gpus, num_heads=num_heads or 0) if isinstance(num_gpus, int) and num_gpus >= 1 else None
+        layout = (
+            suggest_topology(num_gpus, num_heads=num_heads or 0)
+            if isinstance(num_gpus, int) and num_gpus >= 1
+            else None
+        )
         if layout is not None:
             values |= {"tp_size": 1, "ulysses_degree": layout.ulysses_degree, "ring_degree": layout.ring_degree}
     return ServeConfig(**values)
@@ -213,4 +227,3 @@ def shared_options(template: Callable[..., None]) -> Callable[[Callable[..., Any
         return run
 
     return decorate
-

@@ -30,9 +30,14 @@ def topology_errors(config: ServeConfig) -> list[str]:
 
     limits = model_limits(config.model_path)
     return Topology.check(
-        num_gpus=config.num_gpus, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, dp_degree=config.dp_degree, num_heads=limits.num_heads,
-        ff_dim=limits.ff_dim, attention_backend=config.attention_backend,
+        num_gpus=config.num_gpus,
+        tp_size=config.tp_size,
+        ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree,
+        dp_degree=config.dp_degree,
+        num_heads=limits.num_heads,
+        ff_dim=limits.ff_dim,
+        attention_backend=config.attention_backend,
         fsdp=bool(config.use_fsdp_inference),
     )
 
@@ -57,9 +62,14 @@ def recipe_warnings(config: ServeConfig, hardware: str | None, nodes: int = 1) -
     if hardware is None:
         return []
     return picker.recipe_findings(
-        num_gpus=config.num_gpus, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, nodes=nodes, num_heads=model_limits(config.model_path).num_heads,
-        attention_backend=config.attention_backend, placement=config.placement.picker_name,
+        num_gpus=config.num_gpus,
+        tp_size=config.tp_size,
+        ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree,
+        nodes=nodes,
+        num_heads=model_limits(config.model_path).num_heads,
+        attention_backend=config.attention_backend,
+        placement=config.placement.picker_name,
         decode=picker.decode_choice(
             use_parallel_tiling=config.vae.use_parallel_tiling, use_parallel_decode=config.vae.use_parallel_decode
         ),

@@ -77,8 +77,11 @@ def _attention_name(value: str) -> str:
 AttentionOpt = Annotated[
     str,
     typer.Option(
-        "--attention-backend", callback=_attention_name,
-        help="platform (auto: FA on datacenter GPUs, SDPA on RTX), or a kernel: " + ", ".join(ATTENTION_NAMES[1:]) + ".",
+        "--attention-backend",
+        callback=_attention_name,
+        help="platform (auto: FA on datacenter GPUs, SDPA on RTX), or a kernel: "
+        + ", ".join(ATTENTION_NAMES[1:])
+        + ".",
     ),
 ]
 HardwareOpt = Annotated[Hardware, typer.Option("--hardware", help="GPU model.")]
@@ -145,16 +148,31 @@ class Verdict:
             return ["tilecast", "serve", "--model-path", str(model_path), *flags]
         per_node = self.deployment.selection.gpus_per_node // self.nnodes
         return [
-            "torchrun", "--nnodes", str(self.nnodes), "--nproc-per-node", str(per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT",
-            "-m", "tilecast", "serve", "--model-path", str(model_path), *flags,
+            "torchrun",
+            "--nnodes",
+            str(self.nnodes),
+            "--nproc-per-node",
+            str(per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "HOST:PORT",
+            "-m",
+            "tilecast",
+            "serve",
+            "--model-path",
+            str(model_path),
+            *flags,
         ]
 
     def to_dict(self) -> dict:
         payload = self.deployment.to_dict()
         payload.update(
-            valid=self.valid, errors=list(self.errors), recipe_errors=list(self.deployment.errors),
-            nnodes=self.nnodes, attention_backend=self.attention_backend,
+            valid=self.valid,
+            errors=list(self.errors),
+            recipe_errors=list(self.deployment.errors),
+            nnodes=self.nnodes,
+            attention_backend=self.attention_backend,
         )
         return payload
 
@@ -203,9 +221,14 @@ def _deployment(
     deployment = picker.resolve_deployment(selection, num_heads=limits.num_heads)
     layout = deployment.topology
     errors = Topology.check(
-        num_gpus=num_gpus, tp_size=layout.tp_size, ulysses_degree=layout.ulysses_degree,
-        ring_degree=layout.ring_degree, num_heads=limits.num_heads, ff_dim=limits.ff_dim,
-        attention_backend=_kernel_backend(attention), fsdp=placement.value == "fsdp",
+        num_gpus=num_gpus,
+        tp_size=layout.tp_size,
+        ulysses_degree=layout.ulysses_degree,
+        ring_degree=layout.ring_degree,
+        num_heads=limits.num_heads,
+        ff_dim=limits.ff_dim,
+        attention_backend=_kernel_backend(attention),
+        fsdp=placement.value == "fsdp",
     )
     return Verdict(deployment=deployment, errors=errors, attention_backend=attention, nnodes=nnodes)
 
@@ -241,7 +264,8 @@ def _print_summary(console: Console, verdict: Verdict) -> None:
     nodes = f" over {verdict.nnodes} nodes" if verdict.nnodes > 1 else ""
     attention = (
         f"{deployment.attention} ({deployment.resolved_settings()['attention']}, from {s.attention})"
-        if verdict.attention_backend == "platform" else f"{verdict.attention_backend} (recipes: {deployment.attention})"
+        if verdict.attention_backend == "platform"
+        else f"{verdict.attention_backend} (recipes: {deployment.attention})"
     )
     rows = [
         ("hardware", picker.HARDWARE_LABELS[s.hw]),
@@ -255,7 +279,9 @@ def _print_summary(console: Console, verdict: Verdict) -> None:
         ("verification", f"serve {deployment.verification['serve']}, request {deployment.verification['request']}"),
     ]
     count = len(verdict.errors)
-    status = "[bold green]valid[/]" if verdict.valid else f"[bold red]invalid ({count} error{'s' if count != 1 else ''})[/]"
+    status = (
+        "[bold green]valid[/]" if verdict.valid else f"[bold red]invalid ({count} error{'s' if count != 1 else ''})[/]"
+    )
     console.print(f"Deployment: {status}")
     for key, value in rows:
         console.print(f"  {key:<13}{escape(value)}")
@@ -315,10 +341,20 @@ def auto(
 ) -> None:
     """The picker's automatic layout for NUM_GPUS (exit 1 when tilecast's rules reject it)."""
     verdict = _deployment(
-        num_gpus=num_gpus, tp_size=None, ulysses_degree=None, ring_degree=None,
-        limits=_resolve_limits(model_path, num_heads), hardware=hardware, attention=attention_backend,
-        placement=Placement("resident"), offload_components="all", prefetch=1, resident_layers=0,
-        decode=Decode("tiles"), scale=Scale("2"), tile_batch=TileBatch("1"),
+        num_gpus=num_gpus,
+        tp_size=None,
+        ulysses_degree=None,
+        ring_degree=None,
+        limits=_resolve_limits(model_path, num_heads),
+        hardware=hardware,
+        attention=attention_backend,
+        placement=Placement("resident"),
+        offload_components="all",
+        prefetch=1,
+        resident_layers=0,
+        decode=Decode("tiles"),
+        scale=Scale("2"),
+        tile_batch=TileBatch("1"),
     )
     deployment = verdict.deployment
     t = deployment.topology

@@ -44,13 +44,20 @@ parent-death signal set (no ``preexec_fn``: the launcher already has threads, nu
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     return [
-        "-m", "torch.distributed.run",
+        "-m",
+        "torch.distributed.run",
         "--standalone",
-        "--nnodes", "1",
-        "--nproc-per-node", str(nproc),
-        "--local-addr", "127.0.0.1",
-        "--max-restarts", "0",
-        "-m", "tilecast", *args,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--local-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "0",
+        "-m",
+        "tilecast",
+        *args,
     ]
 
 
@@ -125,4 +132,3 @@ def launch(nproc: int, args: list[str], *, grace_s: float = 30.0) -> int:
     if stop_requested:
         return 0
     return code
-

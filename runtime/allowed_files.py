@@ -29,10 +29,14 @@ def open_allowed(given: str, allowed_dirs: list[str] | tuple[str, ...], *, field
     swapped between the check and the use.
     """
     if not allowed_dirs:
-        raise ValueError(f"{field} is disabled on this server: the operator allowed no directories "
-                         "(--allowed-video-dir), so upload the file instead")
-    not_allowed = ValueError(f"{field} {given!r} is not allowed: it must name a file under the server's "
-                             "allowed directories (--allowed-video-dir)")
+        raise ValueError(
+            f"{field} is disabled on this server: the operator allowed no directories "
+            "(--allowed-video-dir), so upload the file instead"
+        )
+    not_allowed = ValueError(
+        f"{field} {given!r} is not allowed: it must name a file under the server's "
+        "allowed directories (--allowed-video-dir)"
+    )
     if "\x00" in given or ".." in Path(given).parts:
         raise not_allowed
     roots = [os.path.realpath(d) for d in allowed_dirs]

@@ -47,8 +47,19 @@ LOCK_TIMEOUT_S = 900.0
 BUILD_TIMEOUT_S = 900.0
 """Longest build in a child interpreter."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def default_cache_dir() -> Path:
@@ -146,13 +157,17 @@ def _process_group_initialised() -> bool:
 
 def _write_in_child(writer: str, target: Path) -> None:
     """Run ``writer(target)`` in a fresh interpreter without a process group or torchrun variables."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in _TORCHRUN_ENV and not key.startswith("TORCHELASTIC_")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _TORCHRUN_ENV and not key.startswith("TORCHELASTIC_")
+    }
     command = [sys.executable, "-P", "-m", "tilecast.runtime.cache", writer, str(target)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if done.returncode != 0:
-        raise RuntimeError(f"building {target.name} in a child process failed (exit {done.returncode}):\n"
-                           f"{done.stderr[-4000:]}")
+        raise RuntimeError(
+            f"building {target.name} in a child process failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        )
 
 
 def write_checkpoint(writer: str, target: Path) -> None:
@@ -175,12 +190,14 @@ def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except BlockingIOError as busy:
                 if not waited:
                     logger.info("waiting for another process building %s (lock %s)", what, lock_path)
                     waited = True
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{lock_path} held for over {LOCK_TIMEOUT_S:.0f} s: is a build of {what} hung?")
+                    raise TimeoutError(
+                        f"{lock_path} held for over {LOCK_TIMEOUT_S:.0f} s: is a build of {what} hung?"
+                    ) from busy
                 time.sleep(0.1)
         try:
             yield
@@ -212,8 +229,9 @@ def ensure_model_dir(name: str, writer: str, cache_dir: Path | None = None) -> P
         if problem is None:
             return target  # built by another process while this one waited
         if target.exists():
-            logger.warning("the cached checkpoint %s is unusable (%s): removing it and building it again",
-                           target, problem)
+            logger.warning(
+                "the cached checkpoint %s is unusable (%s): removing it and building it again", target, problem
+            )
             _discard(target)
         for stale in target.parent.glob(f".{name}.staging-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a builder that died (we hold the lock)

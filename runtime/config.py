@@ -172,8 +172,9 @@ class ServeConfig:
     allow_unauthenticated: bool = setting(False, section="security")
     """Serve a non-loopback ``host`` / ``http_host`` without ``api_key`` (anyone who reaches the port
     can submit and read results)."""
-    allowed_video_dirs: tuple[Path, ...] = setting((), section="security", flag="--allowed-video-dir", metavar="DIR",
-                                                     pipeline=True)
+    allowed_video_dirs: tuple[Path, ...] = setting(
+        (), section="security", flag="--allowed-video-dir", metavar="DIR", pipeline=True
+    )
     """Directories whose files a request's ``video_path`` may name (the flag repeats)."""
     # -- outputs (serve only)
     output_dir: Path = setting(Path("outputs"), section="outputs", metavar="DIR")
@@ -193,9 +194,14 @@ class ServeConfig:
             raise ValueError(f"--cuda-graphs needs --device cuda, got --device {self.device}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
-        exposed = [f"--{name.replace('_', '-')} {value}" for name, value in
-                   (("host", self.host), ("http_host", self.http_host if self.http_port is not None else None))
-                   if value is not None and not is_loopback(value)]
+        exposed = [
+            f"--{name.replace('_', '-')} {value}"
+            for name, value in (
+                ("host", self.host),
+                ("http_host", self.http_host if self.http_port is not None else None),
+            )
+            if value is not None and not is_loopback(value)
+        ]
         if exposed and self.api_key is None and not self.allow_unauthenticated:
             raise ValueError(
                 f"{exposed[0]} is reachable from other machines but no --api-key (or TILECAST_API_KEY) is set:"
@@ -206,16 +212,22 @@ class ServeConfig:
         for name in ("layerwise_offload_components", "cpu_offload_components"):
             object.__setattr__(self, name, placement.as_fields()[name])  # the canonical spelling
         placement.check_topology(
-            world_size=self.num_gpus, check_rank_count=False,  # FSDP on one GPU: the picker's rule (cli)
-            tp_size=self.tp_size, unit_size=self.tp_size * self.ulysses_degree * self.ring_degree,
+            world_size=self.num_gpus,
+            check_rank_count=False,  # FSDP on one GPU: the picker's rule (cli)
+            tp_size=self.tp_size,
+            unit_size=self.tp_size * self.ulysses_degree * self.ring_degree,
             tile_parallel=self.tile_parallel,
         )
         if self.batching_mode == "off" and self.batching_max_size > 1:
-            raise ValueError(f"--batching-max-size {self.batching_max_size} needs --batching-mode dynamic"
-                             " (with --batching-mode off every request runs alone)")
+            raise ValueError(
+                f"--batching-max-size {self.batching_max_size} needs --batching-mode dynamic"
+                " (with --batching-mode off every request runs alone)"
+            )
         if self.batching_mode == "off" and self.batching_config is not None:
-            raise ValueError(f"--batching-config {self.batching_config} needs --batching-mode dynamic"
-                             " (with --batching-mode off no rules apply)")
+            raise ValueError(
+                f"--batching-config {self.batching_config} needs --batching-mode dynamic"
+                " (with --batching-mode off no rules apply)"
+            )
         if self.http_port is not None and self.max_upload_mb > self.max_message_mb:
             raise ValueError(
                 f"--max-upload-mb {self.max_upload_mb:g} exceeds --max-message-mb {self.max_message_mb:g}: an upload"
@@ -242,7 +254,9 @@ class ServeConfig:
         from tilecast.scheduler.batching_rules import BatchingRules
 
         return BatchingConfig(
-            mode=self.batching_mode, max_size=self.batching_max_size, delay_ms=self.batching_delay_ms,
+            mode=self.batching_mode,
+            max_size=self.batching_max_size,
+            delay_ms=self.batching_delay_ms,
             rules=BatchingRules.load(self.batching_config) if self.batching_config else None,
             enable_metrics=self.enable_batching_metrics,
         )
@@ -296,8 +310,11 @@ def check_honoured_names(honoured: Collection[str], owner: str) -> None:
 
 
 def _unsupported(config: ServeConfig, honoured: Collection[str]) -> list[tuple[Declared, Any]]:
-    return [(item, value) for item in pipeline_settings()
-            if (value := functools.reduce(getattr, item.path, config)) != item.default and not _honours(item, honoured)]
+    return [
+        (item, value)
+        for item in pipeline_settings()
+        if (value := functools.reduce(getattr, item.path, config)) != item.default and not _honours(item, honoured)
+    ]
 
 
 def unsupported_settings(config: ServeConfig, honoured: Collection[str]) -> list[str]:
@@ -312,8 +329,14 @@ def honoured_flags(honoured: Collection[str]) -> list[str]:
     return [item.flag for item in pipeline_settings() if _honours(item, honoured)]
 
 
-def check_honoured(config: ServeConfig, honoured: Collection[str], *, pipeline: str, model: str | None = None,
-                   reasons: dict[str, str] | None = None) -> None:
+def check_honoured(
+    config: ServeConfig,
+    honoured: Collection[str],
+    *,
+    pipeline: str,
+    model: str | None = None,
+    reasons: dict[str, str] | None = None,
+) -> None:
     """Raise ``UnsupportedSettingError`` naming every setting of ``config`` that the pipeline
     ``pipeline`` (its family name; ``model``: the ``--model-path``) does not honour, and listing what
     it does honour. ``reasons``: field name → why that setting cannot apply (added to the message)."""

@@ -42,8 +42,10 @@ def _plain(value: Any) -> Any:
         return ("dict", tuple(sorted((str(k), _plain(v)) for k, v in value.items())))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_plain(v) for v in value))
-    raise TypeError("a CUDA-graphed forward takes tensors and plain values (None, numbers, strings, and dicts or "
-                    f"lists of them), got {type(value).__name__}")
+    raise TypeError(
+        "a CUDA-graphed forward takes tensors and plain values (None, numbers, strings, and dicts or "
+        f"lists of them), got {type(value).__name__}"
+    )
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -31,7 +31,7 @@ def _parent_of(pid: int) -> int | None:
     """The parent pid of ``pid`` (Linux ``/proc``), None when unknown."""
     try:
         stat = open(f"/proc/{pid}/stat", "rb").read()
-        return int(stat[stat.rindex(b")") + 2:].split()[1])
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -98,8 +98,14 @@ def init_ranks(device: str, *, timeout_s: float) -> Ranks:
         dist.init_process_group("gloo", timeout=timeout)
         cpu_group = device_group = dist.group.WORLD
     logger.debug("rank %d/%d up on %s", rank, world_size, dev)
-    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank, device=dev,
-                 cpu_group=cpu_group, device_group=device_group)
+    return Ranks(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=dev,
+        cpu_group=cpu_group,
+        device_group=device_group,
+    )
 
 
 def shutdown_ranks(ranks: Ranks) -> None:

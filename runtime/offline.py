@@ -48,7 +48,10 @@ class OfflineResult:
 
 
 def generate(
-    config: ServeConfig, fields: dict, *, on_progress: Callable[[int, int], None] | None = None,
+    config: ServeConfig,
+    fields: dict,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
     display: contextlib.AbstractContextManager | None = None,
 ) -> OfflineResult:
     """Run one request (``fields``: the request's fields) on every rank. ``on_progress(done, total)``

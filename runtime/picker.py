@@ -75,9 +75,12 @@ DECODE_FLAGS: dict[str, tuple[str, ...]] = {
     "serial": ("--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "false"),
     "tiles": ("--vae-config.use-parallel-tiling", "true", "--vae-config.use-parallel-decode", "false"),
     "spatial": (
-        "--vae-config.use-parallel-tiling", "false",
-        "--vae-config.use-parallel-decode", "true",
-        "--vae-config.parallel-decode-mode", "spatial_shard",
+        "--vae-config.use-parallel-tiling",
+        "false",
+        "--vae-config.use-parallel-decode",
+        "true",
+        "--vae-config.parallel-decode-mode",
+        "spatial_shard",
     ),
 }
 
@@ -96,32 +99,24 @@ WARN_SCOPE = (
     "outside the fixed HTTP test workload."
 )
 WARN_UNVERIFIED = (
-    "This exact HTTP recipe is unverified. Offline timing does not verify every server and "
-    "uploaded-video combination."
+    "This exact HTTP recipe is unverified. Offline timing does not verify every server and uploaded-video combination."
 )
 WARN_EXTRAPOLATED_HW = (
     "Extrapolated hardware recipe: no SR latency or peak-memory measurement on this GPU. "
     "Validate a short clip before scaling up."
 )
 WARN_BACKEND_OVERRIDE = (
-    "This backend override is a different numerical path; its full-checkpoint output and "
-    "performance are unverified."
+    "This backend override is a different numerical path; its full-checkpoint output and performance are unverified."
 )
 WARN_RTX5090 = (
     "32GB VRAM: start with layerwise offload, tile batch 1 and a short 384 x 256 source. "
     "Offload does not bound activation memory; full-size video may still OOM."
 )
 WARN_MANY_GPUS = (
-    "More than four GPUs is extrapolated. Eight GPUs use Ulysses4 x Ring2 with FA; Ulysses8 "
-    "cannot divide 28 heads."
+    "More than four GPUs is extrapolated. Eight GPUs use Ulysses4 x Ring2 with FA; Ulysses8 cannot divide 28 heads."
 )
-WARN_RTXPRO_GPUS = (
-    "RTX PRO 6000 measurements cover one or two GPUs only; larger GPU counts are extrapolated."
-)
-WARN_OFFLOAD = (
-    "Offload uses host RAM and transfer bandwidth; prefetch and resident layers additionally "
-    "consume VRAM."
-)
+WARN_RTXPRO_GPUS = "RTX PRO 6000 measurements cover one or two GPUs only; larger GPU counts are extrapolated."
+WARN_OFFLOAD = "Offload uses host RAM and transfer bandwidth; prefetch and resident layers additionally consume VRAM."
 WARN_SPATIAL = (
     "Not bitwise lossless: spatial decode changes rounding. Tested PSNR 57.51 dB, max pixel "
     "difference 4/255; validate your video."
@@ -136,7 +131,9 @@ WARN_ONE_GPU = "One GPU uses serial decoding; this selection provides no paralle
 
 # Per-option cautions the picker shows beside an option (soft reasons, hints, descriptions).
 NOTE_SDPA_SOFT = "SDPA measurements apply to RTX PRO 6000, not every GPU or workload."
-NOTE_COMPONENT = "Component offload transfers each selected component whole around its use. This exact SR recipe is unverified."
+NOTE_COMPONENT = (
+    "Component offload transfers each selected component whole around its use. This exact SR recipe is unverified."
+)
 NOTE_FSDP = "SR weight sharding has not completed full-checkpoint E2E validation."
 NOTE_PARTIAL_OFFLOAD = "Partial offload selections are unverified recipes."
 NOTE_PREFETCH = "DiT prefetch values above 1 are unverified here; more prefetched layers use more VRAM."
@@ -396,9 +393,16 @@ def recipe_findings(
     (tilecast runs them; the guide has no recipe for them), then the picker's warnings verbatim.
     """
     selection = Selection(
-        hw=hardware, nodes=nodes, gpus_per_node=num_gpus, topology_mode="manual", tp_size=tp_size,
-        ulysses_degree=ulysses_degree, ring_degree=ring_degree, attention=picker_attention(attention_backend),
-        placement=placement, decode=decode,
+        hw=hardware,
+        nodes=nodes,
+        gpus_per_node=num_gpus,
+        topology_mode="manual",
+        tp_size=tp_size,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        attention=picker_attention(attention_backend),
+        placement=placement,
+        decode=decode,
     )
     deployment = resolve_deployment(selection, num_heads=num_heads)
     return [RECIPE_PREFIX + error for error in deployment.errors] + deployment.warnings
@@ -471,11 +475,16 @@ class Deployment:
         """
         s, t = self.selection, self.topology
         argv = [
-            "--num-gpus", str(s.gpus_per_node),
-            "--tp-size", str(t.tp_size),
-            "--ulysses-degree", str(t.ulysses_degree),
-            "--ring-degree", str(t.ring_degree),
-            "--attention-backend", self.attention,
+            "--num-gpus",
+            str(s.gpus_per_node),
+            "--tp-size",
+            str(t.tp_size),
+            "--ulysses-degree",
+            str(t.ulysses_degree),
+            "--ring-degree",
+            str(t.ring_degree),
+            "--attention-backend",
+            self.attention,
             *DECODE_FLAGS[s.decode],
         ]
         if s.placement == "component":
@@ -532,14 +541,19 @@ class Deployment:
 def _served(s: Selection, t: Layout, attention: str) -> bool:
     """The picker's HTTP-verified recipes."""
     layout = (t.tp_size, t.ulysses_degree, t.ring_degree)
-    gb300 = s.hw == "gb300" and attention == "fa" and s.decode != "spatial" and (
-        (layout == (2, 2, 1) and s.placement == "resident")
-        or (
-            layout == (1, 1, 2)
-            and s.placement == "offload"
-            and s.offload_components == "all"
-            and s.prefetch == 1
-            and s.resident_layers == 0
+    gb300 = (
+        s.hw == "gb300"
+        and attention == "fa"
+        and s.decode != "spatial"
+        and (
+            (layout == (2, 2, 1) and s.placement == "resident")
+            or (
+                layout == (1, 1, 2)
+                and s.placement == "offload"
+                and s.offload_components == "all"
+                and s.prefetch == 1
+                and s.resident_layers == 0
+            )
         )
     )
     rtx = (

@@ -206,11 +206,7 @@ class Pipeline(ABC):
         """Fields that must be equal for two requests to share a batch (ordered, first differing field
         is the reject reason). Default: every field except the per-request ones."""
         per_request = set(self.per_request_fields)
-        return {
-            field: getattr(params, field)
-            for field in params.__struct_fields__
-            if field not in per_request
-        }
+        return {field: getattr(params, field) for field in params.__struct_fields__ if field not in per_request}
 
     per_request_fields: ClassVar[tuple[str, ...]] = ("seed", "prompt", "negative_prompt", "output_file_name")
     """Fields each request keeps for itself inside a merged batch."""
@@ -229,12 +225,17 @@ class Pipeline(ABC):
     def check_settings(cls, settings: ServeConfig, model_path: str | None = None) -> None:
         """Raise ``config.UnsupportedSettingError`` (a ``ValueError``) naming each setting of
         ``settings`` this pipeline does not honour and listing those it does. ``load`` calls it first."""
-        check_honoured(settings, cls.honoured_settings, pipeline=getattr(cls, "family", cls.__name__),
-                       model=model_path, reasons=cls.unsupported_reasons)
+        check_honoured(
+            settings,
+            cls.honoured_settings,
+            pipeline=getattr(cls, "family", cls.__name__),
+            model=model_path,
+            reasons=cls.unsupported_reasons,
+        )
 
     @abstractmethod
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Execute a batch on every rank, same order everywhere; return one Output per item."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op default; pipelines that hold resources override it
         """Release resources at shutdown."""

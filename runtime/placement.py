@@ -118,7 +118,10 @@ class PlacementConfig:
     """Shard the DiT's weights across the ranks with FSDP2."""
 
     def __post_init__(self) -> None:
-        for flag, name in ((FLAG_LAYERWISE, "layerwise_offload_components"), (FLAG_COMPONENT, "cpu_offload_components")):
+        for flag, name in (
+            (FLAG_LAYERWISE, "layerwise_offload_components"),
+            (FLAG_COMPONENT, "cpu_offload_components"),
+        ):
             object.__setattr__(self, name, parse_components(getattr(self, name), flag))
         for flag, value, (low, high) in (
             (FLAG_PREFETCH, self.dit_offload_prefetch_size, PREFETCH_RANGE),
@@ -184,7 +187,12 @@ class PlacementConfig:
         return "resident"
 
     def check_topology(
-        self, *, world_size: int, tp_size: int = 1, unit_size: int = 1, tile_parallel: bool = False,
+        self,
+        *,
+        world_size: int,
+        tp_size: int = 1,
+        unit_size: int = 1,
+        tile_parallel: bool = False,
         check_rank_count: bool = True,
     ) -> None:
         """``ValueError`` for FSDP with fewer than 2 ranks (unless ``check_rank_count`` is off: the
@@ -255,8 +263,14 @@ class LayerStreamer:
     """
 
     def __init__(
-        self, name: str, root: nn.Module, chain: list[tuple[str, list[nn.Module]]], *, device: torch.device,
-        prefetch: int = 1, extra: list[tuple[str, list[nn.Module]]] = (),
+        self,
+        name: str,
+        root: nn.Module,
+        chain: list[tuple[str, list[nn.Module]]],
+        *,
+        device: torch.device,
+        prefetch: int = 1,
+        extra: list[tuple[str, list[nn.Module]]] = (),
     ) -> None:
         self.name = name
         self.root = root
@@ -274,10 +288,14 @@ class LayerStreamer:
         for index, group in enumerate(self.chain + self.extra):
             chain_index = index if index < len(self.chain) else None
             for module in group.modules:
-                self._handles.append(module.register_forward_pre_hook(
-                    lambda module, args, g=group, i=chain_index: self._enter(g, i), prepend=True))
-            self._handles.append(group.modules[-1].register_forward_hook(
-                lambda module, args, output, g=group: self._leave(g)))
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        lambda module, args, g=group, i=chain_index: self._enter(g, i), prepend=True
+                    )
+                )
+            self._handles.append(
+                group.modules[-1].register_forward_hook(lambda module, args, output, g=group: self._leave(g))
+            )
 
     # -- bookkeeping for tests and logs
     @property
@@ -399,7 +417,8 @@ def vae_chains(vae: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, lis
 
 def _residual_blocks(module: nn.Module, prefix: str) -> list[tuple[str, list[nn.Module]]]:
     return [
-        (f"{prefix}{name}", [child]) for name, child in module.named_modules()
+        (f"{prefix}{name}", [child])
+        for name, child in module.named_modules()
         if type(child).__name__.endswith("ResidualBlock")
     ]
 
@@ -415,7 +434,8 @@ def upscaler_chains(bank: nn.Module) -> list[tuple[str, nn.Module, list, list]]:
             chain = _residual_blocks(model.x2_branch, prefix + "x2_branch.")
         else:
             chain = [
-                item for part in ("pre_blocks", "mid_blocks", "post_blocks")
+                item
+                for part in ("pre_blocks", "mid_blocks", "post_blocks")
                 for item in _residual_blocks(getattr(model, part), f"{prefix}{part}.")
             ]
         in_chain = {id(mods[0]) for _, mods in chain}
@@ -425,6 +445,7 @@ def upscaler_chains(bank: nn.Module) -> list[tuple[str, nn.Module, list, list]]:
 
 
 # --------------------------------------------------------------------------- component offload
+
 
 class ComponentOffload:
     """Keeps one component in host memory; ``on_device(module)`` brings it to the device whole.
@@ -463,7 +484,9 @@ class ComponentOffload:
 def on_device(module: nn.Module | None) -> Iterator[None]:
     """Run the block with ``module``'s weights on the device when it is component-offloaded
     (``--cpu-offload-components``); a no-op for ``None`` and for any other placement."""
-    offload: ComponentOffload | None = getattr(module, "_tilecast_component_offload", None) if module is not None else None
+    offload: ComponentOffload | None = (
+        getattr(module, "_tilecast_component_offload", None) if module is not None else None
+    )
     if offload is None:
         yield
         return
@@ -475,6 +498,7 @@ def on_device(module: nn.Module | None) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- FSDP
+
 
 def apply_fsdp(transformer: nn.Module, group, device: torch.device) -> nn.Module:
     """``fully_shard`` every transformer block, then the root, over ``group`` (all ranks).
@@ -493,6 +517,7 @@ def apply_fsdp(transformer: nn.Module, group, device: torch.device) -> nn.Module
 
 
 # --------------------------------------------------------------------------- entry point
+
 
 @dataclasses.dataclass(kw_only=True)
 class AppliedPlacement:
@@ -515,7 +540,8 @@ def apply_placement(parts, ctx) -> AppliedPlacement:
     config = settings.placement
     applied = AppliedPlacement(config=config)
     config.check_topology(
-        world_size=ctx.world_size, tp_size=settings.tp_size,
+        world_size=ctx.world_size,
+        tp_size=settings.tp_size,
         unit_size=settings.tp_size * settings.ulysses_degree * settings.ring_degree,
         tile_parallel=settings.tile_parallel,
     )
@@ -538,20 +564,33 @@ def apply_placement(parts, ctx) -> AppliedPlacement:
         chain = dit_chain(parts.transformer, config.dit_layerwise_resident_layers)
         if not chain and ctx.rank == 0:
             logger.warning(
-                "%s %d keeps all %d DiT blocks resident: nothing of the DiT is streamed", FLAG_RESIDENT,
-                config.dit_layerwise_resident_layers, len(parts.transformer.visual_transformer_blocks),
+                "%s %d keeps all %d DiT blocks resident: nothing of the DiT is streamed",
+                FLAG_RESIDENT,
+                config.dit_layerwise_resident_layers,
+                len(parts.transformer.visual_transformer_blocks),
             )
         if chain:
             applied.streamers["transformer"] = LayerStreamer(
-                "transformer", parts.transformer, chain, device=device, prefetch=config.dit_offload_prefetch_size,
+                "transformer",
+                parts.transformer,
+                chain,
+                device=device,
+                prefetch=config.dit_offload_prefetch_size,
             )
     if "vae" in layerwise:
         for root_name, root, chain in vae_chains(parts.vae):
-            applied.streamers[root_name] = LayerStreamer(root_name, root, chain, device=device, prefetch=STREAM_PREFETCH)
+            applied.streamers[root_name] = LayerStreamer(
+                root_name, root, chain, device=device, prefetch=STREAM_PREFETCH
+            )
     if "latent_upscaler" in layerwise and parts.latent_upscaler is not None:
         for root_name, root, chain, extra in upscaler_chains(parts.latent_upscaler):
             applied.streamers[root_name] = LayerStreamer(
-                root_name, root, chain, device=device, prefetch=STREAM_PREFETCH, extra=extra,
+                root_name,
+                root,
+                chain,
+                device=device,
+                prefetch=STREAM_PREFETCH,
+                extra=extra,
             )
     if device.type == "cuda" and (applied.streamers or applied.offloads):
         torch.cuda.empty_cache()  # return the device copies the host copies replaced
@@ -560,7 +599,11 @@ def apply_placement(parts, ctx) -> AppliedPlacement:
         whole = sum(o.group.num_bytes for o in applied.offloads.values())
         logger.info(
             "weight placement %s: %.2f GiB streamed by layer (%s), %.2f GiB offloaded whole (%s)%s",
-            config.picker_name, streamed / 2**30, ", ".join(applied.streamers) or "none", whole / 2**30,
-            ", ".join(applied.offloads) or "none", ", DiT sharded with FSDP" if applied.fsdp else "",
+            config.picker_name,
+            streamed / 2**30,
+            ", ".join(applied.streamers) or "none",
+            whole / 2**30,
+            ", ".join(applied.offloads) or "none",
+            ", DiT sharded with FSDP" if applied.fsdp else "",
         )
     return applied

@@ -118,15 +118,21 @@ def build_groups(config: ServeConfig, ranks: Ranks):
     from tilecast.runtime.topology import Topology
 
     topology = Topology(
-        num_gpus=ranks.world_size, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, dp_degree=getattr(config, "dp_degree", None),
+        num_gpus=ranks.world_size,
+        tp_size=config.tp_size,
+        ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree,
+        dp_degree=getattr(config, "dp_degree", None),
         attention_backend=config.attention_backend,
     )
     return topology.groups(topology.build_mesh(ranks.device.type))
 
 
 def start_rank(
-    config: ServeConfig, *, on_progress: Callable[[int, int], None] | None = None, replicas: bool = False,
+    config: ServeConfig,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    replicas: bool = False,
 ) -> RankRuntime:
     """Process groups, pipeline load on every rank; raises on every rank if any rank failed to load.
 
@@ -145,11 +151,20 @@ def start_rank(
     if ranks.rank == 0:
         config.output_dir.mkdir(parents=True, exist_ok=True)
     ctx = RankContext(
-        rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, cpu_group=ranks.cpu_group,
-        device_group=ranks.device_group, output_dir=config.output_dir, settings=config,
-        on_progress=progress, heartbeat=beat.tick, groups=build_groups(config, ranks),
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        device=ranks.device,
+        cpu_group=ranks.cpu_group,
+        device_group=ranks.device_group,
+        output_dir=config.output_dir,
+        settings=config,
+        on_progress=progress,
+        heartbeat=beat.tick,
+        groups=build_groups(config, ranks),
     )
-    layout = layout_of(config, ranks.world_size) if replicas else ReplicaLayout(groups=(tuple(range(ranks.world_size)),))
+    layout = (
+        layout_of(config, ranks.world_size) if replicas else ReplicaLayout(groups=(tuple(range(ranks.world_size)),))
+    )
     replica = build_replica(layout, ranks, ctx.groups)
     ctx = replica_context(ctx, replica)
     if ranks.rank == 0 and layout.num_groups > 1:

@@ -65,9 +65,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         for hint, target in MODEL_ID_HINTS.items():
             if hint.lower() in model_id.lower():
                 return _load(target)
-        raise ValueError(
-            f"--model-id {model_id!r} names no known model family (known: {', '.join(MODEL_ID_HINTS)})"
-        )
+        raise ValueError(f"--model-id {model_id!r} names no known model family (known: {', '.join(MODEL_ID_HINTS)})")
     path = Path(model_path)
     if not path.exists():
         builtin = ", ".join(sorted(BUILTIN_MODELS))

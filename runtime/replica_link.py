@@ -57,8 +57,9 @@ def encode_outcome(seq: int, outcome) -> list:
         return P.encode(P.ReplicaDone(seq=seq, status="failed", error=outcome))
     records, frames = [], []
     for output in outcome:
-        files = [P.OutputMeta(name=f.name, kind="file", mime=f.mime, path=str(Path(f.path).resolve()))
-                 for f in output.files]
+        files = [
+            P.OutputMeta(name=f.name, kind="file", mime=f.mime, path=str(Path(f.path).resolve())) for f in output.files
+        ]
         tensors = []
         for name, tensor in output.tensors.items():
             meta, data = P.tensor_to_frame(name, tensor)

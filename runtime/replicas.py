@@ -58,8 +58,14 @@ class ReplicaLayout:
 
 
 def replica_errors(
-    *, num_gpus: int, tp_size: int = 1, ulysses_degree: int = 1, ring_degree: int = 1,
-    dp_degree: int | None = None, tile_parallel: bool = False, fsdp: bool = False,
+    *,
+    num_gpus: int,
+    tp_size: int = 1,
+    ulysses_degree: int = 1,
+    ring_degree: int = 1,
+    dp_degree: int | None = None,
+    tile_parallel: bool = False,
+    fsdp: bool = False,
 ) -> list[str]:
     """What serving in replica groups cannot honour (the layout rules themselves are ``Topology.check``'s)."""
     errors: list[str] = []
@@ -80,13 +86,26 @@ def replica_errors(
 
 
 def serving_layout(
-    *, num_gpus: int, tp_size: int = 1, ulysses_degree: int = 1, ring_degree: int = 1,
-    dp_degree: int | None = None, tile_parallel: bool = False, fsdp: bool = False,
+    *,
+    num_gpus: int,
+    tp_size: int = 1,
+    ulysses_degree: int = 1,
+    ring_degree: int = 1,
+    dp_degree: int | None = None,
+    tile_parallel: bool = False,
+    fsdp: bool = False,
 ) -> ReplicaLayout:
     """The serving groups for a valid topology (see the module doc); ``ValueError`` naming every
     problem otherwise (``replica_errors``, and a layout the degrees do not fill)."""
-    errors = replica_errors(num_gpus=num_gpus, tp_size=tp_size, ulysses_degree=ulysses_degree,
-                            ring_degree=ring_degree, dp_degree=dp_degree, tile_parallel=tile_parallel, fsdp=fsdp)
+    errors = replica_errors(
+        num_gpus=num_gpus,
+        tp_size=tp_size,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        dp_degree=dp_degree,
+        tile_parallel=tile_parallel,
+        fsdp=fsdp,
+    )
     model_parallel = tp_size * ulysses_degree * ring_degree
     if num_gpus % model_parallel or (dp_degree is not None and dp_degree * model_parallel != num_gpus):
         errors.append(
@@ -103,8 +122,12 @@ def serving_layout(
 def layout_of(config, world_size: int) -> ReplicaLayout:
     """``serving_layout`` of a ``ServeConfig`` on ``world_size`` ranks (``tilecast serve``'s groups)."""
     return serving_layout(
-        num_gpus=world_size, tp_size=config.tp_size, ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree, dp_degree=config.dp_degree, tile_parallel=config.tile_parallel,
+        num_gpus=world_size,
+        tp_size=config.tp_size,
+        ulysses_degree=config.ulysses_degree,
+        ring_degree=config.ring_degree,
+        dp_degree=config.dp_degree,
+        tile_parallel=config.tile_parallel,
         fsdp=bool(config.use_fsdp_inference),
     )
 
@@ -153,8 +176,14 @@ def build_replica(layout: ReplicaLayout, ranks, parallel_groups=None) -> Replica
     index = layout.group_of(ranks.rank)
     members = layout.groups[index]
     if layout.num_groups == 1:
-        return Replica(index=0, ranks=members, rank=ranks.rank, num_groups=1,
-                       cpu_group=ranks.cpu_group, device_group=ranks.device_group)
+        return Replica(
+            index=0,
+            ranks=members,
+            rank=ranks.rank,
+            num_groups=1,
+            cpu_group=ranks.cpu_group,
+            device_group=ranks.device_group,
+        )
     if len(members) == 1:
         return Replica(index=index, ranks=members, rank=ranks.rank, num_groups=layout.num_groups)
     import torch.distributed as dist
@@ -168,8 +197,14 @@ def build_replica(layout: ReplicaLayout, ranks, parallel_groups=None) -> Replica
             created = dist.new_group(ranks=list(group_ranks), backend="gloo")
             if g == index:
                 cpu_group = created
-    return Replica(index=index, ranks=members, rank=ranks.rank, num_groups=layout.num_groups,
-                   cpu_group=cpu_group, device_group=device_group)
+    return Replica(
+        index=index,
+        ranks=members,
+        rank=ranks.rank,
+        num_groups=layout.num_groups,
+        cpu_group=cpu_group,
+        device_group=device_group,
+    )
 
 
 def replica_context(ctx, replica: Replica):
@@ -177,6 +212,9 @@ def replica_context(ctx, replica: Replica):
     if replica.num_groups == 1:
         return ctx
     return dataclasses.replace(
-        ctx, rank=replica.local_rank, world_size=replica.size, cpu_group=replica.cpu_group,
+        ctx,
+        rank=replica.local_rank,
+        world_size=replica.size,
+        cpu_group=replica.cpu_group,
         device_group=replica.device_group,
     )

@@ -26,9 +26,9 @@ import zmq
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import broadcast_bytes, shutdown_ranks
 from tilecast.runtime.pipeline import PlanHooks
+from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
 from tilecast.runtime.replica_link import ReplicaHub, ReplicaLink
 from tilecast.runtime.settings import describe
-from tilecast.runtime.rank import RankRuntime, SignalWatcher, configure_logging, start_rank
 from tilecast.runtime.watchdog import HeartbeatSender, Watchdog
 from tilecast.runtime.worker import compute_loop, queue_source
 from tilecast.scheduler.auth import ServerAuth
@@ -67,23 +67,33 @@ class RankZero:
         if len(groups) > 1:
             self.hub = ReplicaHub(num_groups=len(groups), deliver=lambda event: self.scheduler.inbox.put(event))
         self.scheduler = Scheduler(
-            pipeline=rt.pipeline, send=self._send, batching=config.batching,
-            max_queued=config.max_queued_requests, world_size=rt.ranks.world_size,
-            outputs=OutputStore(config.output_dir, retention_s=config.output_retention_s,
-                                max_stored=config.max_stored_outputs),
-            max_queued_upload_bytes=int(config.max_queued_upload_mb * 2**20), max_message_bytes=max_message_bytes,
-            wire_stats=lambda: self.sockets.stats(), groups=groups,
-            dispatch=self.hub.send_plan if self.hub else None, cancel_plan=self.hub.cancel if self.hub else None,
+            pipeline=rt.pipeline,
+            send=self._send,
+            batching=config.batching,
+            max_queued=config.max_queued_requests,
+            world_size=rt.ranks.world_size,
+            outputs=OutputStore(
+                config.output_dir, retention_s=config.output_retention_s, max_stored=config.max_stored_outputs
+            ),
+            max_queued_upload_bytes=int(config.max_queued_upload_mb * 2**20),
+            max_message_bytes=max_message_bytes,
+            wire_stats=lambda: self.sockets.stats(),
+            groups=groups,
+            dispatch=self.hub.send_plan if self.hub else None,
+            cancel_plan=self.hub.cancel if self.hub else None,
         )
         self.sockets = SocketThread(
-            config.endpoint, lambda peer, frames: self.scheduler.inbox.put(("msg", peer, frames)),
+            config.endpoint,
+            lambda peer, frames: self.scheduler.inbox.put(("msg", peer, frames)),
             max_message_bytes=max_message_bytes,
             auth=ServerAuth(config.api_key, zmq.Context.instance()) if config.api_key else None,
         )
         self.watchdog = Watchdog(
-            world_size=rt.ranks.world_size, beat=rt.beat,
+            world_size=rt.ranks.world_size,
+            beat=rt.beat,
             config=config.watchdog,
-            on_fatal=self.fail, groups=groups,
+            on_fatal=self.fail,
+            groups=groups,
         )
         self.http = None
         """The OpenAI-style HTTP front end (``--http-port``), a ZeroMQ client of this scheduler."""
@@ -91,8 +101,12 @@ class RankZero:
             from tilecast.scheduler.http_server import HttpFrontEnd
 
             self.http = HttpFrontEnd.for_scheduler(
-                endpoint=self.sockets.bound_endpoint, pipeline=rt.pipeline, host=config.http_host,
-                port=config.http_port, max_upload_mb=config.max_upload_mb, max_message_mb=config.max_message_mb,
+                endpoint=self.sockets.bound_endpoint,
+                pipeline=rt.pipeline,
+                host=config.http_host,
+                port=config.http_port,
+                max_upload_mb=config.max_upload_mb,
+                max_message_mb=config.max_message_mb,
                 api_key=config.api_key,
             )
         self._exit_lock = threading.Lock()
@@ -124,13 +138,21 @@ class RankZero:
         rt, inbox = self.rt, self.scheduler.inbox
 
         def hooks(seq: int) -> PlanHooks:
-            return PlanHooks(seq, report=lambda s, fraction: inbox.put(("progress", s, fraction)),
-                             cancelled=self.scheduler.plan_cancelled)
+            return PlanHooks(
+                seq,
+                report=lambda s, fraction: inbox.put(("progress", s, fraction)),
+                cancelled=self.scheduler.plan_cancelled,
+            )
 
         compute_loop(
-            ranks=rt.ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat,
+            ranks=rt.ranks,
+            pipeline=rt.pipeline,
+            ctx=rt.ctx,
+            beat=rt.beat,
             next_plan=queue_source(self.scheduler.work),
-            on_done=lambda seq, result: inbox.put(("done", seq, result)), hooks=hooks, replica=rt.replica,
+            on_done=lambda seq, result: inbox.put(("done", seq, result)),
+            hooks=hooks,
+            replica=rt.replica,
         )
 
     def wait_for_replicas(self, timeout: float) -> None:
@@ -145,8 +167,11 @@ class RankZero:
         """Once both sockets are bound: the ready line on stdout, and the ready file (``--ready-file``)."""
         from tilecast.scheduler.http_server import connectable
 
-        info = ReadyInfo(endpoint=connectable(self.sockets.bound_endpoint), pid=os.getpid(),
-                         http_url=self.http.url if self.http is not None else None)
+        info = ReadyInfo(
+            endpoint=connectable(self.sockets.bound_endpoint),
+            pid=os.getpid(),
+            http_url=self.http.url if self.http is not None else None,
+        )
         if self.rt.config.ready_file is not None:
             write_ready_file(self.rt.config.ready_file, info)
         print(info.line(), flush=True)
@@ -229,8 +254,11 @@ def serve(config: ServeConfig) -> int:
         zero.announce()
         logger.info(
             "tilecast serving %s on %s: %d rank(s)%s, device %s, batching %s",
-            rt.pipeline.model_name, zero.sockets.bound_endpoint, ranks.world_size,
-            f" in {rt.replica.num_groups} replica groups" if rt.replica.num_groups > 1 else "", config.device,
+            rt.pipeline.model_name,
+            zero.sockets.bound_endpoint,
+            ranks.world_size,
+            f" in {rt.replica.num_groups} replica groups" if rt.replica.num_groups > 1 else "",
+            config.device,
             f"dynamic (max {config.batching_max_size})" if zero.scheduler.batching.user_max > 1 else "off",
         )
         try:
@@ -256,8 +284,13 @@ def serve(config: ServeConfig) -> int:
             link.start()
         try:
             compute_loop(
-                ranks=ranks, pipeline=rt.pipeline, ctx=rt.ctx, beat=rt.beat, replica=rt.replica,
-                next_plan=link.next_plan if link else None, on_done=link.done if link else None,
+                ranks=ranks,
+                pipeline=rt.pipeline,
+                ctx=rt.ctx,
+                beat=rt.beat,
+                replica=rt.replica,
+                next_plan=link.next_plan if link else None,
+                on_done=link.done if link else None,
                 hooks=link.hooks if link else None,
             )
         except Exception as exc:  # noqa: BLE001

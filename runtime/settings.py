@@ -86,8 +86,9 @@ class Setting:
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **facts) -> Any:
     """A declared field: ``dataclasses.field`` carrying a ``Setting`` made of ``facts``."""
     facts_ = Setting(**facts)
-    return dataclasses.field(default=default, default_factory=default_factory, repr=not facts_.secret,
-                             metadata={_META: facts_})
+    return dataclasses.field(
+        default=default, default_factory=default_factory, repr=not facts_.secret, metadata={_META: facts_}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +127,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -166,14 +171,26 @@ def declared(cls: type, _prefix: tuple[str, ...] = (), _flag: str | None = None)
             continue
         kind, optional, multiple = _base(hint)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        out.append(Declared(path=(*_prefix, field.name), flag=flag, kind=kind, optional=optional,
-                            multiple=multiple, default=default, help=_plain(docs.get(field.name, "")),
-                            setting=facts))
+        out.append(
+            Declared(
+                path=(*_prefix, field.name),
+                flag=flag,
+                kind=kind,
+                optional=optional,
+                multiple=multiple,
+                default=default,
+                help=_plain(docs.get(field.name, "")),
+                setting=facts,
+            )
+        )
     if not _prefix:  # name fields in the help by their flags
         flags = {item.path[-1]: item.flag for item in out}
-        out = [dataclasses.replace(item, help=re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b",
-                                                     lambda m: flags.get(m.group(1), m.group(1)), item.help))
-               for item in out]
+        out = [
+            dataclasses.replace(
+                item, help=re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b", lambda m: flags.get(m.group(1), m.group(1)), item.help)
+            )
+            for item in out
+        ]
     return tuple(out)
 
 
@@ -218,7 +235,9 @@ def check_value(item: Declared, value: Any) -> None:
             raise ValueError(f"{item.flag} takes true or false, got {one!r}")
         if item.kind is int and (isinstance(one, bool) or not isinstance(one, int)):
             raise _value_error(item, one, "an integer")
-        if item.kind is float and (isinstance(one, bool) or not isinstance(one, (int, float)) or not math.isfinite(one)):
+        if item.kind is float and (
+            isinstance(one, bool) or not isinstance(one, (int, float)) or not math.isfinite(one)
+        ):
             raise _value_error(item, one, "a finite number")
         if item.kind is str and not isinstance(one, str):
             raise _value_error(item, one, "text")
@@ -278,8 +297,9 @@ def read_settings_file(path: Path, cls: type, *, allowed: set[str] | None = None
     def take(name: str, value: Any, where: str) -> None:
         if name not in items:
             hint = nearest(name, list(items))
-            raise ValueError(f"--config {path}: unknown setting {where!r}"
-                             + (f"; did you mean {hint!r}?" if hint else ""))
+            raise ValueError(
+                f"--config {path}: unknown setting {where!r}" + (f"; did you mean {hint!r}?" if hint else "")
+            )
         if allowed is not None and name not in allowed:
             raise ValueError(f"--config {path}: {where!r} ({items[name].flag}) is not a setting of this command")
         if name in flat:

@@ -195,7 +195,10 @@ class Topology:
         """
         return [
             *degree_errors(
-                num_gpus=num_gpus, tp_size=tp_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+                num_gpus=num_gpus,
+                tp_size=tp_size,
+                ulysses_degree=ulysses_degree,
+                ring_degree=ring_degree,
                 dp_degree=dp_degree,
             ),
             *model_errors(tp_size=tp_size, ulysses_degree=ulysses_degree, num_heads=num_heads, ff_dim=ff_dim),
@@ -272,9 +275,7 @@ class Topology:
             raise ValueError("build_mesh needs torch.distributed initialized (run under torchrun)")
         world = dist.get_world_size()
         if world != self.num_gpus:
-            raise ValueError(
-                f"Topology has num_gpus={self.num_gpus} but the default process group has {world} ranks"
-            )
+            raise ValueError(f"Topology has num_gpus={self.num_gpus} but the default process group has {world} ranks")
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
 
     def groups(self, mesh) -> ParallelGroups:

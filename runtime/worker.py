@@ -72,9 +72,14 @@ def compute_loop(
     failure of the collectives themselves (a peer died) propagates to the caller.
     """
     if replica is None:
-        replica = Replica(index=0, ranks=tuple(range(ranks.world_size)), rank=ranks.rank, num_groups=1,
-                          cpu_group=ranks.cpu_group if ranks.distributed else None,
-                          device_group=ranks.device_group)
+        replica = Replica(
+            index=0,
+            ranks=tuple(range(ranks.world_size)),
+            rank=ranks.rank,
+            num_groups=1,
+            cpu_group=ranks.cpu_group if ranks.distributed else None,
+            device_group=ranks.device_group,
+        )
     leader, group = replica.is_leader, replica.cpu_group
     record = PlanRecord.from_env(ranks.rank, replica)
     seq_seen = 0
@@ -110,8 +115,14 @@ def compute_loop(
             ctx.plan = None
         ok = group_ok(error is None and not cancelled, group)
         beat.set_busy(False)
-        logger.debug("rank %d (group %d): plan %d done in %.3fs ok=%s", ranks.rank, replica.index, plan.seq,
-                     time.perf_counter() - started, ok)
+        logger.debug(
+            "rank %d (group %d): plan %d done in %.3fs ok=%s",
+            ranks.rank,
+            replica.index,
+            plan.seq,
+            time.perf_counter() - started,
+            ok,
+        )
         record.write(plan, started_wall, "ok" if ok else "cancelled" if cancelled else "failed")
         if leader and on_done is not None:
             if ok:
@@ -138,9 +149,17 @@ class PlanRecord:
     def write(self, plan: P.Plan, start: float, outcome: str) -> None:
         if self.path is None:
             return
-        line = json.dumps({"rank": self.rank, "group": self.group, "seq": plan.seq,
-                           "job_ids": [item.job_id for item in plan.items], "start": start, "end": time.time(),
-                           "outcome": outcome})
+        line = json.dumps(
+            {
+                "rank": self.rank,
+                "group": self.group,
+                "seq": plan.seq,
+                "job_ids": [item.job_id for item in plan.items],
+                "start": start,
+                "end": time.time(),
+                "outcome": outcome,
+            }
+        )
         with open(self.path, "a") as log:
             log.write(line + "\n")
 

@@ -145,9 +145,7 @@ class BatchingRules:
     def cap_for(self, *, model: str, task: str, resolution: str | None) -> int | None:
         """Smallest ``max_batch_size`` among the matching rules; ``None`` when no rule matches."""
         caps = [
-            rule.max_batch_size
-            for rule in self.rules
-            if rule.matches(model=model, task=task, resolution=resolution)
+            rule.max_batch_size for rule in self.rules if rule.matches(model=model, task=task, resolution=resolution)
         ]
         return min(caps) if caps else None
 
@@ -163,9 +161,7 @@ class BatchingRules:
             if "schema_version" not in data:
                 problems.append(f"missing 'schema_version' (expected {SCHEMA_VERSION})")
             elif type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:
-                problems.append(
-                    f"unsupported schema_version {data['schema_version']!r} (expected {SCHEMA_VERSION})"
-                )
+                problems.append(f"unsupported schema_version {data['schema_version']!r} (expected {SCHEMA_VERSION})")
             raw_rules = data.get("rules")
             if "rules" not in data:
                 problems.append("missing 'rules' (a list of rule objects)")

@@ -151,8 +151,9 @@ def _result_from(reply: P.ResultReply, payloads: list) -> JobResult:
 def _too_large(payloads: list[bytes], limit: int) -> None:
     size = sum(len(p) for p in payloads)
     if limit and size + 64 * 1024 > limit:
-        raise ValueError(f"the upload is {size} bytes, over the server's message limit of {limit / 2**20:g} MiB"
-                         " (--max-message-mb)")
+        raise ValueError(
+            f"the upload is {size} bytes, over the server's message limit of {limit / 2**20:g} MiB (--max-message-mb)"
+        )
 
 
 def _check(msg) -> Any:
@@ -172,8 +173,16 @@ def _finished(result: JobResult) -> JobResult:
 
 
 class _Base:
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float = 30.0, heartbeat_s: float = 2.0,
-                 dead_after_s: float = 10.0, model: str | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float = 30.0,
+        heartbeat_s: float = 2.0,
+        dead_after_s: float = 10.0,
+        model: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.endpoint, self.timeout, self.heartbeat_s, self.dead_after_s = endpoint, timeout, heartbeat_s, dead_after_s
         self.model = model
         key = api_key_from_env(api_key)
@@ -203,14 +212,17 @@ class _Base:
             raise ServerDeadError(f"no reply from {self.endpoint} within {step:.1f} s") from None
 
     def _dead(self) -> ServerDeadError:
-        return ServerDeadError(f"{self.endpoint} stopped answering: no reply to a health check within"
-                               f" {self.dead_after_s:.1f} s while waiting")
+        return ServerDeadError(
+            f"{self.endpoint} stopped answering: no reply to a health check within"
+            f" {self.dead_after_s:.1f} s while waiting"
+        )
 
     def _refused(self) -> AuthenticationError:
         """Record (and return) a refused handshake; every pending call fails with it."""
         has_key = "this client's API key" if self._keys is not None else "a client without an API key"
         self._auth_error = AuthenticationError(
-            f"{self.endpoint} refused {has_key}: pass the server's --api-key (api_key=... or $TILECAST_API_KEY)")
+            f"{self.endpoint} refused {has_key}: pass the server's --api-key (api_key=... or $TILECAST_API_KEY)"
+        )
         for future in list(self._pending.values()):
             self._fail(future, self._auth_error)
         return self._auth_error
@@ -325,8 +337,9 @@ class Client(_Base):
         """Queue a request; returns its job id."""
         params, names, payloads = _split_uploads(fields)
         self._check_size(payloads)
-        request = lambda rid: P.encode(P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model),
-                                       *payloads)
+        request = lambda rid: P.encode(
+            P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model), *payloads
+        )
         msg, _ = self._call(request, self.timeout)
         return _check(msg).job_id
 
@@ -334,8 +347,9 @@ class Client(_Base):
         msg, _ = self._call(lambda rid: P.encode(P.StatusRequest(req_id=rid, job_id=job_id)), self.timeout)
         return _check(msg)
 
-    def result(self, job_id: str, *, wait: bool = True, timeout: float | None = None,
-               as_paths: bool = False) -> JobResult:
+    def result(
+        self, job_id: str, *, wait: bool = True, timeout: float | None = None, as_paths: bool = False
+    ) -> JobResult:
         """The job's result; with ``wait`` block until it is terminal (``TimeoutError`` after ``timeout``)."""
         request = lambda rid: P.encode(P.ResultRequest(req_id=rid, job_id=job_id, wait=wait, as_paths=as_paths))
         msg, payloads = self._call(request, timeout if wait else self.timeout, wait_long=wait)
@@ -456,8 +470,9 @@ class AsyncClient(_Base):
     async def submit(self, **fields) -> str:
         params, names, payloads = _split_uploads(fields)
         await self._check_size(payloads)
-        request = lambda rid: P.encode(P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model),
-                                       *payloads)
+        request = lambda rid: P.encode(
+            P.SubmitRequest(req_id=rid, params=params, uploads=names, model=self.model), *payloads
+        )
         msg, _ = await self._call(request, self.timeout)
         return _check(msg).job_id
 
@@ -465,8 +480,9 @@ class AsyncClient(_Base):
         msg, _ = await self._call(lambda rid: P.encode(P.StatusRequest(req_id=rid, job_id=job_id)), self.timeout)
         return _check(msg)
 
-    async def result(self, job_id: str, *, wait: bool = True, timeout: float | None = None,
-                     as_paths: bool = False) -> JobResult:
+    async def result(
+        self, job_id: str, *, wait: bool = True, timeout: float | None = None, as_paths: bool = False
+    ) -> JobResult:
         request = lambda rid: P.encode(P.ResultRequest(req_id=rid, job_id=job_id, wait=wait, as_paths=as_paths))
         msg, payloads = await self._call(request, timeout if wait else self.timeout, wait_long=wait)
         return _result_from(_check(msg), payloads)

@@ -74,8 +74,15 @@ _ACCEPTED_UPLOAD_TYPES = ("application/octet-stream",)
 """Non-``video/*`` part types accepted for ``video_reference`` (the pipeline still probes the bytes)."""
 _STATUS_NAMES = {"running": "in_progress"}
 """Scheduler state -> OpenAI video status (queued, in_progress, completed, failed, cancelled)."""
-_SERVER_CODES = {"bad_request": 400, "forbidden": 403, "not_found": 404, "gone": 410, "overloaded": 503,
-                 "server_dead": 503, "stopping": 503}
+_SERVER_CODES = {
+    "bad_request": 400,
+    "forbidden": 403,
+    "not_found": 404,
+    "gone": 410,
+    "overloaded": 503,
+    "server_dead": 503,
+    "stopping": 503,
+}
 _MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 OPEN_PATHS = frozenset({"/health"})
@@ -114,8 +121,11 @@ class ModelInfo:
     @classmethod
     def from_pipeline(cls, pipeline) -> "ModelInfo":
         return cls(
-            name=pipeline.model_name, family=getattr(pipeline, "family", ""), task=getattr(pipeline, "task", ""),
-            params_type=getattr(pipeline, "params_type", None), upload_fields=tuple(pipeline.upload_fields),
+            name=pipeline.model_name,
+            family=getattr(pipeline, "family", ""),
+            task=getattr(pipeline, "task", ""),
+            params_type=getattr(pipeline, "params_type", None),
+            upload_fields=tuple(pipeline.upload_fields),
         )
 
 
@@ -157,8 +167,15 @@ class ApiConfig:
 class ApiError(Exception):
     """An HTTP error with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -275,8 +292,11 @@ def _content_kind(request: Request) -> str:
         return "multipart"
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return "json"
-    raise ApiError(415, f"unsupported Content-Type {media or '(none)'!r}: send multipart/form-data or application/json",
-                   code="unsupported_media_type")
+    raise ApiError(
+        415,
+        f"unsupported Content-Type {media or '(none)'!r}: send multipart/form-data or application/json",
+        code="unsupported_media_type",
+    )
 
 
 def _parse_size(value: Any) -> tuple[int, int] | None:
@@ -284,8 +304,9 @@ def _parse_size(value: Any) -> tuple[int, int] | None:
         return None
     match = _SIZE.match(value) if isinstance(value, str) else None
     if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
-        raise ApiError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {value!r}", param="size",
-                       code="invalid_value")
+        raise ApiError(
+            400, f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {value!r}", param="size", code="invalid_value"
+        )
     return int(match.group(1)), int(match.group(2))
 
 
@@ -312,11 +333,15 @@ class HttpApi:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         self._app = Starlette(
-            routes=routes, lifespan=self._lifespan,
+            routes=routes,
+            lifespan=self._lifespan,
             exception_handlers={
-                ApiError: self._on_api_error, HTTPException: self._on_http_exception,
-                ServerError: self._on_client_error, ServerDeadError: self._on_client_error,
-                TimeoutError: self._on_client_error, Exception: self._on_unexpected,
+                ApiError: self._on_api_error,
+                HTTPException: self._on_http_exception,
+                ServerError: self._on_client_error,
+                ServerDeadError: self._on_client_error,
+                TimeoutError: self._on_client_error,
+                Exception: self._on_unexpected,
             },
         )
         self.routes = routes
@@ -354,8 +379,11 @@ class HttpApi:
     @staticmethod
     def _unauthorized(scope) -> Response:
         given = any(name == b"authorization" for name, _ in scope["headers"])
-        message = ("Incorrect API key provided" if given else
-                   "Missing API key: send 'Authorization: Bearer <key>' (the server's --api-key)")
+        message = (
+            "Incorrect API key provided"
+            if given
+            else "Missing API key: send 'Authorization: Bearer <key>' (the server's --api-key)"
+        )
         response = ApiError(401, message, code="invalid_api_key").response()
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
@@ -418,14 +446,19 @@ class HttpApi:
     def _too_large(self, size: int | None = None) -> ApiError:
         limit_mb = self.config.max_upload_bytes / 2**20
         what = f"{size} bytes" if size is not None else "the request body"
-        return ApiError(413, f"{what} exceeds the upload limit of {limit_mb:g} MiB (--max-upload-mb)",
-                        code="payload_too_large")
+        return ApiError(
+            413, f"{what} exceeds the upload limit of {limit_mb:g} MiB (--max-upload-mb)", code="payload_too_large"
+        )
 
     def _json_too_large(self, size: int | None = None) -> ApiError:
         limit = self.config.max_json_bytes
         what = f"the {size}-byte JSON body" if size is not None else "the JSON body"
-        return ApiError(413, f"{what} exceeds the {limit / 2**20:g} MiB ({limit} bytes) limit of JSON requests;"
-                             " send files as multipart/form-data uploads", code="payload_too_large")
+        return ApiError(
+            413,
+            f"{what} exceeds the {limit / 2**20:g} MiB ({limit} bytes) limit of JSON requests;"
+            " send files as multipart/form-data uploads",
+            code="payload_too_large",
+        )
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         try:
@@ -465,16 +498,28 @@ class HttpApi:
                     raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
                 if isinstance(value, UploadFile):
                     if name != VIDEO_PART:
-                        raise ApiError(400, f"unexpected file field {name!r} (upload the video as {VIDEO_PART!r})",
-                                       param=name, code="unknown_field")
+                        raise ApiError(
+                            400,
+                            f"unexpected file field {name!r} (upload the video as {VIDEO_PART!r})",
+                            param=name,
+                            code="unknown_field",
+                        )
                     media = (value.content_type or "").split(";", 1)[0].strip().lower()
                     if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
-                        raise ApiError(415, f"{VIDEO_PART} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
-                                       param=VIDEO_PART, code="unsupported_media_type")
+                        raise ApiError(
+                            415,
+                            f"{VIDEO_PART} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
+                            param=VIDEO_PART,
+                            code="unsupported_media_type",
+                        )
                     video = await value.read()
                 elif name == VIDEO_PART:
-                    raise ApiError(400, f"{VIDEO_PART} must be a file part (curl -F '{VIDEO_PART}=@input.mp4')",
-                                   param=VIDEO_PART, code="invalid_value")
+                    raise ApiError(
+                        400,
+                        f"{VIDEO_PART} must be a file part (curl -F '{VIDEO_PART}=@input.mp4')",
+                        param=VIDEO_PART,
+                        code="invalid_value",
+                    )
                 else:
                     fields[name] = value
             return fields, video
@@ -487,14 +532,20 @@ class HttpApi:
         if model is None or self.model is None:
             return
         if model not in (self.model.name, self.model.family):
-            raise ApiError(400, f"this server serves {self.model.name!r}, not {model!r}", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                400, f"this server serves {self.model.name!r}, not {model!r}", param="model", code="model_not_found"
+            )
 
     def _check_upload_size(self, video: bytes) -> None:
         limit = self.config.max_message_bytes
         if limit is not None and len(video) + _ZMQ_OVERHEAD_BYTES > limit:
-            raise ApiError(413, f"the {len(video)}-byte video does not fit the scheduler's message limit "
-                                f"({limit / 2**20:g} MiB, --max-message-mb)", param=VIDEO_PART, code="payload_too_large")
+            raise ApiError(
+                413,
+                f"the {len(video)}-byte video does not fit the scheduler's message limit "
+                f"({limit / 2**20:g} MiB, --max-message-mb)",
+                param=VIDEO_PART,
+                code="payload_too_large",
+            )
 
     def _model_name(self) -> str | None:
         return self.model.name if self.model is not None else None
@@ -506,7 +557,9 @@ class HttpApi:
         except ServerError as exc:
             error = _from_client_error(exc)
             if exc.code == "bad_request" and self.model is not None and self.model.params_type is not None:
-                error.param = next((f for f in self.model.params_type.__struct_fields__ if exc.message.startswith(f)), None)
+                error.param = next(
+                    (f for f in self.model.params_type.__struct_fields__ if exc.message.startswith(f)), None
+                )
             raise error from None
 
     async def _status(self, job_id: str) -> P.JobInfo:
@@ -562,10 +615,17 @@ class HttpApi:
         except ClientDisconnect:
             return Response(status_code=400)
         if "video" in fields:
-            raise ApiError(400, f"'video' is not a field: upload the file as {VIDEO_PART!r} (multipart) "
-                                "or name a server-side file with video_path", param="video", code="unknown_field")
+            raise ApiError(
+                400,
+                f"'video' is not a field: upload the file as {VIDEO_PART!r} (multipart) "
+                "or name a server-side file with video_path",
+                param="video",
+                code="unknown_field",
+            )
         self._check_model(fields)
-        fields = convert_fields(fields, self.model.params_type if self.model else None, from_strings=kind == "multipart")
+        fields = convert_fields(
+            fields, self.model.params_type if self.model else None, from_strings=kind == "multipart"
+        )
         if video is not None:
             if self.model is not None and "video" not in self.model.upload_fields:
                 raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
@@ -588,8 +648,10 @@ class HttpApi:
         after = request.query_params.get("after")
         if after is not None:
             if after not in self._video_ids:
-                raise ApiError(400, f"after={after!r} is not a video job created here", param="after", code="invalid_value")
-            ids = ids[ids.index(after) + 1:]
+                raise ApiError(
+                    400, f"after={after!r} is not a video job created here", param="after", code="invalid_value"
+                )
+            ids = ids[ids.index(after) + 1 :]
         page, has_more = ids[:limit], len(ids) > limit
 
         async def status_or_none(job_id: str) -> P.JobInfo | None:
@@ -602,8 +664,15 @@ class HttpApi:
 
         infos = await asyncio.gather(*(status_or_none(job_id) for job_id in page))
         data = [video_object(info, self._model_name()) for info in infos if info is not None]
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": has_more,
+            }
+        )
 
     async def get_video(self, request: Request) -> Response:
         return JSONResponse(video_object(await self._status(request.path_params["video_id"]), self._model_name()))
@@ -631,22 +700,30 @@ class HttpApi:
         job = result.job
         if job.state != "completed":
             detail = f": {job.error}" if job.error else ""
-            raise ApiError(409, f"job {job_id} is {_STATUS_NAMES.get(job.state, job.state)}{detail}; "
-                                "its content exists only once it has completed", param="video_id",
-                           code=f"job_{job.state}")
+            raise ApiError(
+                409,
+                f"job {job_id} is {_STATUS_NAMES.get(job.state, job.state)}{detail}; "
+                "its content exists only once it has completed",
+                param="video_id",
+                code=f"job_{job.state}",
+            )
         files = result.files
         item = next((f for f in files if f.mime.startswith("video/")), files[0] if files else None)
         if item is None:
             raise ApiError(500, f"job {job_id} completed without an output file", code="no_output")
         if item.path is not None and Path(item.path).is_file():
-            return FileResponse(item.path, media_type=item.mime or "application/octet-stream",
-                                filename=Path(item.name).name)
+            return FileResponse(
+                item.path, media_type=item.mime or "application/octet-stream", filename=Path(item.name).name
+            )
         fetched = await self.client.result(job_id, wait=False)  # front end on another host: fetch the bytes
         data = next((f.data for f in fetched.files if f.name == item.name), None)
         if data is None:
             raise ApiError(410, f"the output of job {job_id} is no longer available", code="gone")
-        return Response(data, media_type=item.mime or "application/octet-stream",
-                        headers={"content-disposition": f'attachment; filename="{Path(item.name).name}"'})
+        return Response(
+            data,
+            media_type=item.mime or "application/octet-stream",
+            headers={"content-disposition": f'attachment; filename="{Path(item.name).name}"'},
+        )
 
     # ------------------------------------------------------------------ images
     async def create_images(self, request: Request) -> Response:
@@ -657,8 +734,11 @@ class HttpApi:
         except ClientDisconnect:
             return Response(status_code=400)
         if self.model is not None and self.model.task and self.model.task != "t2i":
-            raise ApiError(400, f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs "
-                                "a text-to-image model", code="wrong_task")
+            raise ApiError(
+                400,
+                f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs a text-to-image model",
+                code="wrong_task",
+            )
         self._check_model(body)
         body.pop("user", None)  # OpenAI's end-user id: metadata only
         prompt = body.pop("prompt", None)
@@ -666,12 +746,18 @@ class HttpApi:
             raise ApiError(400, "prompt must be a non-empty string", param="prompt", code="invalid_value")
         n = body.pop("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_images:
-            raise ApiError(400, f"n must be an integer in 1..{self.config.max_images}, got {n!r}", param="n",
-                           code="invalid_value")
+            raise ApiError(
+                400, f"n must be an integer in 1..{self.config.max_images}, got {n!r}", param="n", code="invalid_value"
+            )
         response_format = body.pop("response_format", "b64_json")
         if response_format != "b64_json":
-            raise ApiError(400, f"response_format {response_format!r} is not supported: only 'b64_json' "
-                                "(tilecast does not host image URLs)", param="response_format", code="invalid_value")
+            raise ApiError(
+                400,
+                f"response_format {response_format!r} is not supported: only 'b64_json' "
+                "(tilecast does not host image URLs)",
+                param="response_format",
+                code="invalid_value",
+            )
         size = _parse_size(body.pop("size", None))
         if size is not None:
             for key in ("width", "height"):
@@ -680,16 +766,24 @@ class HttpApi:
             body["width"], body["height"] = size
         seed = body.pop("seed", None)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_WIRE_INT):
-            raise ApiError(400, f"seed must be an integer in 0..2**64-1, got {seed!r}", param="seed", code="invalid_value")
+            raise ApiError(
+                400, f"seed must be an integer in 0..2**64-1, got {seed!r}", param="seed", code="invalid_value"
+            )
         if seed is not None and seed + n - 1 > MAX_WIRE_INT:
-            raise ApiError(400, f"seed {seed} with n={n}: the images use seeds {seed}..{seed + n - 1}, past 2**64-1",
-                           param="seed", code="invalid_value")
+            raise ApiError(
+                400,
+                f"seed {seed} with n={n}: the images use seeds {seed}..{seed + n - 1}, past 2**64-1",
+                param="seed",
+                code="invalid_value",
+            )
         if "video" in body:
             raise ApiError(400, "'video' is not a field of an image request", param="video", code="unknown_field")
         base_seed = seed if seed is not None else secrets.randbelow(2**31)
         requests = [{**body, "prompt": prompt, "seed": base_seed + index} for index in range(n)]
-        requests = [convert_fields(fields, self.model.params_type if self.model else None, from_strings=False)
-                    for fields in requests]
+        requests = [
+            convert_fields(fields, self.model.params_type if self.model else None, from_strings=False)
+            for fields in requests
+        ]
         job_ids: list[str] = []
         try:
             submitted = await asyncio.gather(*(self._submit(fields) for fields in requests), return_exceptions=True)
@@ -698,7 +792,8 @@ class HttpApi:
             if errors:
                 raise errors[0]
             results = await self._unless_disconnected(
-                request, asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids)))
+                request, asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids))
+            )
         except BaseException as exc:
             await asyncio.gather(*(self.client.cancel(job_id) for job_id in job_ids), return_exceptions=True)
             if isinstance(exc, _ClientGone):
@@ -711,8 +806,11 @@ class HttpApi:
             self.metrics.job(result.job, result.info)
             if result.job.state != "completed":
                 dead = (result.job.error or "").startswith("server dead")
-                raise ApiError(503 if dead else 500, f"image job {result.job.job_id} {result.job.state}: {result.job.error}",
-                               code=f"job_{result.job.state}")
+                raise ApiError(
+                    503 if dead else 500,
+                    f"image job {result.job.job_id} {result.job.state}: {result.job.error}",
+                    code=f"job_{result.job.state}",
+                )
             files = result.files
             item = next((f for f in files if f.mime.startswith("image/")), files[0] if files else None)
             if item is None or item.data is None:
@@ -726,17 +824,26 @@ class HttpApi:
             name, extra = self.model.name, {"family": self.model.family, "task": self.model.task}
         else:
             name, extra = (await self.client.health(timeout=self.config.health_timeout_s)).model, {}
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.started_at, "owned_by": "tilecast", **extra}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": self.started_at, "owned_by": "tilecast", **extra}],
+            }
+        )
 
     async def health(self, _request: Request) -> Response:
         try:
             reply = await self.client.health(timeout=self.config.health_timeout_s)
         except (ServerDeadError, TimeoutError, ServerError) as exc:
-            return JSONResponse({"status": "unavailable", "detail": f"the scheduler did not answer: {exc}"},
-                                status_code=503)
-        body = {"model": reply.model, "world_size": reply.world_size, "queue_depth": reply.queue_depth,
-                "running": reply.running}
+            return JSONResponse(
+                {"status": "unavailable", "detail": f"the scheduler did not answer: {exc}"}, status_code=503
+            )
+        body = {
+            "model": reply.model,
+            "world_size": reply.world_size,
+            "queue_depth": reply.queue_depth,
+            "running": reply.running,
+        }
         if reply.status == "serving":
             return JSONResponse({"status": "ok", **body})
         return JSONResponse({"status": reply.status, "detail": reply.detail, **body}, status_code=503)

@@ -44,7 +44,9 @@ class Histogram:
                 self.counts[index] += 1
 
     def samples(self, name: str, labels: dict[str, str]) -> list[tuple[str, dict, float]]:
-        out = [(f"{name}_bucket", {**labels, "le": _fmt(bound)}, count) for bound, count in zip(self.buckets, self.counts)]
+        out = [
+            (f"{name}_bucket", {**labels, "le": _fmt(bound)}, count) for bound, count in zip(self.buckets, self.counts)
+        ]
         out.append((f"{name}_bucket", {**labels, "le": "+Inf"}, self.count))
         out += [(f"{name}_sum", labels, self.sum), (f"{name}_count", labels, self.count)]
         return out
@@ -72,7 +74,8 @@ class FrontEndMetrics:
         """A terminal job that was created over HTTP: its latencies as the scheduler timed them."""
         if info.finished_at is not None:
             self.jobs_seconds.setdefault(info.state, Histogram(LATENCY_BUCKETS)).observe(
-                max(0.0, info.finished_at - info.created_at))
+                max(0.0, info.finished_at - info.created_at)
+            )
         if info.started_at is not None:
             self.queue_seconds.observe(max(0.0, info.started_at - info.created_at))
         timings = result_info.get("timings") if isinstance(result_info, dict) else None
@@ -111,7 +114,9 @@ class Exposition:
         self.lines.append(f"# TYPE {name} {kind}")
         for sample_name, labels, value in samples:
             label_text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-            self.lines.append(f"{sample_name}{{{label_text}}} {_fmt(value)}" if label_text else f"{sample_name} {_fmt(value)}")
+            self.lines.append(
+                f"{sample_name}{{{label_text}}} {_fmt(value)}" if label_text else f"{sample_name} {_fmt(value)}"
+            )
 
     def simple(self, name: str, kind: str, help_text: str, value: float, labels: dict | None = None) -> None:
         self.family(name, kind, help_text, [(name, labels or {}, value)])
@@ -123,11 +128,16 @@ class Exposition:
 def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
     """The scheduler's ``stats`` snapshot as gauges/counters (names ``tilecast_*``)."""
     out.simple("tilecast_world_size", "gauge", "Ranks serving the model.", stats.get("world_size", 0))
-    out.simple("tilecast_queue_depth", "gauge", "Requests waiting in the scheduler's queue.", stats.get("queue_depth", 0))
+    out.simple(
+        "tilecast_queue_depth", "gauge", "Requests waiting in the scheduler's queue.", stats.get("queue_depth", 0)
+    )
     jobs = stats.get("jobs", {})
-    out.family("tilecast_jobs", "gauge",
-               "Jobs the scheduler tracks, by state (finished ones are kept up to a bound).",
-               [("tilecast_jobs", {"state": state}, count) for state, count in sorted(jobs.items())])
+    out.family(
+        "tilecast_jobs",
+        "gauge",
+        "Jobs the scheduler tracks, by state (finished ones are kept up to a bound).",
+        [("tilecast_jobs", {"state": state}, count) for state, count in sorted(jobs.items())],
+    )
     batching = stats.get("batching", {})
     cumulative = batching.get("cumulative", {})
     out.simple("tilecast_batch_max_size", "gauge", "Configured --batching-max-size.", batching.get("max_size", 1))
@@ -137,68 +147,158 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
         hist.sum += size * count
         hist.count += count
         hist.counts = [n + (count if size <= bound else 0) for n, bound in zip(hist.counts, hist.buckets)]
-    out.family("tilecast_batch_size", "histogram", "Requests per dispatched batch (scheduler batching metrics).",
-               hist.samples("tilecast_batch_size", {}))
-    out.family("tilecast_batch_stop_reason", "counter", "Dispatches by the reason the batch stopped growing.",
-               [("tilecast_batch_stop_reason_total", {"reason": reason}, count)
-                for reason, count in sorted((cumulative.get("stop_reasons") or {}).items())])
-    out.family("tilecast_batch_rejects", "counter", "Queued requests a batch head could not take, by first differing field.",
-               [("tilecast_batch_rejects_total", {"field": field}, count)
-                for field, count in sorted((cumulative.get("rejects") or {}).items())])
-    out.simple("tilecast_batch_queue_wait_avg_seconds", "gauge", "Mean queue wait of batch heads (all dispatches).",
-               cumulative.get("wait_avg_ms", 0.0) / 1000.0)
-    out.simple("tilecast_batch_queue_wait_p95_seconds", "gauge",
-               "Nearest-rank p95 queue wait of batch heads (recent dispatches).", cumulative.get("wait_p95_ms", 0.0) / 1000.0)
-    out.family("tilecast_refused", "counter",
-               "What the scheduler refused: ZeroMQ handshakes without the API key, shutdowns from strangers,"
-               " oversize messages, submits over the queued-upload cap.",
-               [("tilecast_refused_total", {"reason": reason}, count)
-                for reason, count in sorted((stats.get("refused") or {}).items())])
-    out.family("tilecast_dropped_replies", "counter", "Replies that could not be delivered (client gone or saturated).",
-               [("tilecast_dropped_replies_total", {}, stats.get("dropped_replies", 0))])
+    out.family(
+        "tilecast_batch_size",
+        "histogram",
+        "Requests per dispatched batch (scheduler batching metrics).",
+        hist.samples("tilecast_batch_size", {}),
+    )
+    out.family(
+        "tilecast_batch_stop_reason",
+        "counter",
+        "Dispatches by the reason the batch stopped growing.",
+        [
+            ("tilecast_batch_stop_reason_total", {"reason": reason}, count)
+            for reason, count in sorted((cumulative.get("stop_reasons") or {}).items())
+        ],
+    )
+    out.family(
+        "tilecast_batch_rejects",
+        "counter",
+        "Queued requests a batch head could not take, by first differing field.",
+        [
+            ("tilecast_batch_rejects_total", {"field": field}, count)
+            for field, count in sorted((cumulative.get("rejects") or {}).items())
+        ],
+    )
+    out.simple(
+        "tilecast_batch_queue_wait_avg_seconds",
+        "gauge",
+        "Mean queue wait of batch heads (all dispatches).",
+        cumulative.get("wait_avg_ms", 0.0) / 1000.0,
+    )
+    out.simple(
+        "tilecast_batch_queue_wait_p95_seconds",
+        "gauge",
+        "Nearest-rank p95 queue wait of batch heads (recent dispatches).",
+        cumulative.get("wait_p95_ms", 0.0) / 1000.0,
+    )
+    out.family(
+        "tilecast_refused",
+        "counter",
+        "What the scheduler refused: ZeroMQ handshakes without the API key, shutdowns from strangers,"
+        " oversize messages, submits over the queued-upload cap.",
+        [
+            ("tilecast_refused_total", {"reason": reason}, count)
+            for reason, count in sorted((stats.get("refused") or {}).items())
+        ],
+    )
+    out.family(
+        "tilecast_dropped_replies",
+        "counter",
+        "Replies that could not be delivered (client gone or saturated).",
+        [("tilecast_dropped_replies_total", {}, stats.get("dropped_replies", 0))],
+    )
     groups = stats.get("groups") or []
-    out.family("tilecast_replica_busy", "gauge", "Whether each data-parallel replica group is running a batch (1) or idle (0).",
-               [("tilecast_replica_busy", {"group": str(g["group"])}, 1 if g.get("busy") else 0) for g in groups])
-    out.family("tilecast_replica_jobs_done", "counter", "Jobs whose batch ended on each replica group (any outcome).",
-               [("tilecast_replica_jobs_done_total", {"group": str(g["group"])}, g.get("jobs_done", 0)) for g in groups])
-    out.family("tilecast_replica_jobs_completed", "counter", "Jobs each replica group completed.",
-               [("tilecast_replica_jobs_completed_total", {"group": str(g["group"])}, g.get("jobs_completed", 0))
-                for g in groups])
-    out.family("tilecast_replica_busy_seconds", "counter", "Time each replica group spent running batches.",
-               [("tilecast_replica_busy_seconds_total", {"group": str(g["group"])}, g.get("busy_seconds", 0.0))
-                for g in groups])
-    out.simple("tilecast_stored_outputs", "gauge", "Finished jobs whose output files are on disk.",
-               stats.get("stored_outputs", 0))
-    out.family("tilecast_deleted_outputs", "counter",
-               "Jobs whose output files were deleted (DELETE, --output-retention-s, --max-stored-outputs).",
-               [("tilecast_deleted_outputs_total", {}, stats.get("deleted_outputs", 0))])
+    out.family(
+        "tilecast_replica_busy",
+        "gauge",
+        "Whether each data-parallel replica group is running a batch (1) or idle (0).",
+        [("tilecast_replica_busy", {"group": str(g["group"])}, 1 if g.get("busy") else 0) for g in groups],
+    )
+    out.family(
+        "tilecast_replica_jobs_done",
+        "counter",
+        "Jobs whose batch ended on each replica group (any outcome).",
+        [("tilecast_replica_jobs_done_total", {"group": str(g["group"])}, g.get("jobs_done", 0)) for g in groups],
+    )
+    out.family(
+        "tilecast_replica_jobs_completed",
+        "counter",
+        "Jobs each replica group completed.",
+        [
+            ("tilecast_replica_jobs_completed_total", {"group": str(g["group"])}, g.get("jobs_completed", 0))
+            for g in groups
+        ],
+    )
+    out.family(
+        "tilecast_replica_busy_seconds",
+        "counter",
+        "Time each replica group spent running batches.",
+        [
+            ("tilecast_replica_busy_seconds_total", {"group": str(g["group"])}, g.get("busy_seconds", 0.0))
+            for g in groups
+        ],
+    )
+    out.simple(
+        "tilecast_stored_outputs",
+        "gauge",
+        "Finished jobs whose output files are on disk.",
+        stats.get("stored_outputs", 0),
+    )
+    out.family(
+        "tilecast_deleted_outputs",
+        "counter",
+        "Jobs whose output files were deleted (DELETE, --output-retention-s, --max-stored-outputs).",
+        [("tilecast_deleted_outputs_total", {}, stats.get("deleted_outputs", 0))],
+    )
 
 
 def front_end_metrics(out: Exposition, metrics: FrontEndMetrics) -> None:
-    out.family("tilecast_http_unauthorized", "counter", "HTTP requests refused for a missing or wrong API key (401).",
-               [("tilecast_http_unauthorized_total", {}, metrics.unauthorized)])
-    out.family("tilecast_http_client_disconnects", "counter",
-               "HTTP requests whose client disconnected while waiting; their jobs were cancelled.",
-               [("tilecast_http_client_disconnects_total", {}, metrics.disconnected)])
-    out.family("tilecast_http_requests", "counter", "HTTP requests by method, route and status.",
-               [("tilecast_http_requests_total", {"method": m, "route": r, "status": s}, n)
-                for (m, r, s), n in sorted(metrics.requests.items())])
+    out.family(
+        "tilecast_http_unauthorized",
+        "counter",
+        "HTTP requests refused for a missing or wrong API key (401).",
+        [("tilecast_http_unauthorized_total", {}, metrics.unauthorized)],
+    )
+    out.family(
+        "tilecast_http_client_disconnects",
+        "counter",
+        "HTTP requests whose client disconnected while waiting; their jobs were cancelled.",
+        [("tilecast_http_client_disconnects_total", {}, metrics.disconnected)],
+    )
+    out.family(
+        "tilecast_http_requests",
+        "counter",
+        "HTTP requests by method, route and status.",
+        [
+            ("tilecast_http_requests_total", {"method": m, "route": r, "status": s}, n)
+            for (m, r, s), n in sorted(metrics.requests.items())
+        ],
+    )
     samples = []
     for route, hist in sorted(metrics.durations.items()):
         samples += hist.samples("tilecast_http_request_duration_seconds", {"route": route})
-    out.family("tilecast_http_request_duration_seconds", "histogram",
-               "Time from request start to the end of the response, by route.", samples)
+    out.family(
+        "tilecast_http_request_duration_seconds",
+        "histogram",
+        "Time from request start to the end of the response, by route.",
+        samples,
+    )
     samples = []
     for state, hist in sorted(metrics.jobs_seconds.items()):
         samples += hist.samples("tilecast_job_duration_seconds", {"state": state})
-    out.family("tilecast_job_duration_seconds", "histogram",
-               "Created-to-finished time of jobs submitted over HTTP (scheduler timestamps), by final state.", samples)
-    out.family("tilecast_job_queue_seconds", "histogram",
-               "Created-to-started time of jobs submitted over HTTP (scheduler timestamps).",
-               metrics.queue_seconds.samples("tilecast_job_queue_seconds", {}))
+    out.family(
+        "tilecast_job_duration_seconds",
+        "histogram",
+        "Created-to-finished time of jobs submitted over HTTP (scheduler timestamps), by final state.",
+        samples,
+    )
+    out.family(
+        "tilecast_job_queue_seconds",
+        "histogram",
+        "Created-to-started time of jobs submitted over HTTP (scheduler timestamps).",
+        metrics.queue_seconds.samples("tilecast_job_queue_seconds", {}),
+    )
     samples = []
     for stage, (total, count) in sorted(metrics.stage_seconds.items()):
-        samples += [("tilecast_stage_seconds_sum", {"stage": stage}, total),
-                    ("tilecast_stage_seconds_count", {"stage": stage}, count)]
-    out.family("tilecast_stage_seconds", "summary",
-               "Per-stage time reported by the pipeline (Output.info timings) for completed HTTP jobs.", samples)
+        samples += [
+            ("tilecast_stage_seconds_sum", {"stage": stage}, total),
+            ("tilecast_stage_seconds_count", {"stage": stage}, count),
+        ]
+    out.family(
+        "tilecast_stage_seconds",
+        "summary",
+        "Per-stage time reported by the pipeline (Output.info timings) for completed HTTP jobs.",
+        samples,
+    )

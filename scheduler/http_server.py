@@ -27,10 +27,13 @@ logger = logging.getLogger(__name__)
 
 def connectable(endpoint: str) -> str:
     """A bound ZeroMQ endpoint as something a local client can connect to (wildcards -> loopback)."""
-    for wildcard, loopback in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"), ("tcp://*:", "tcp://127.0.0.1:"),
-                               ("tcp://[::]:", "tcp://[::1]:")):
+    for wildcard, loopback in (
+        ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+        ("tcp://*:", "tcp://127.0.0.1:"),
+        ("tcp://[::]:", "tcp://[::1]:"),
+    ):
         if endpoint.startswith(wildcard):
-            return loopback + endpoint[len(wildcard):]
+            return loopback + endpoint[len(wildcard) :]
     return endpoint
 
 
@@ -48,13 +51,24 @@ class HttpFrontEnd:
         self._error: BaseException | None = None
 
     @classmethod
-    def for_scheduler(cls, *, endpoint: str, pipeline=None, host: str, port: int, max_upload_mb: float,
-                      max_message_mb: float | None = None, api_key: str | None = None) -> "HttpFrontEnd":
+    def for_scheduler(
+        cls,
+        *,
+        endpoint: str,
+        pipeline=None,
+        host: str,
+        port: int,
+        max_upload_mb: float,
+        max_message_mb: float | None = None,
+        api_key: str | None = None,
+    ) -> "HttpFrontEnd":
         """The front end of the scheduler at ``endpoint`` serving ``pipeline`` (rank 0's copy)."""
         config = ApiConfig(
-            endpoint=connectable(endpoint), max_upload_bytes=int(max_upload_mb * 2**20),
+            endpoint=connectable(endpoint),
+            max_upload_bytes=int(max_upload_mb * 2**20),
             max_message_bytes=int(max_message_mb * 2**20) if max_message_mb else None,
-            model=ModelInfo.from_pipeline(pipeline) if pipeline is not None else None, api_key=api_key,
+            model=ModelInfo.from_pipeline(pipeline) if pipeline is not None else None,
+            api_key=api_key,
         )
         return cls(HttpApi(config), host=host, port=port)
 
@@ -75,7 +89,11 @@ class HttpFrontEnd:
         sock.listen(2048)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.api, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=self.graceful_s,
+            self.api,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=self.graceful_s,
             server_header=False,
         )
         self._server = uvicorn.Server(config)

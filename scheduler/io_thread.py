@@ -168,9 +168,10 @@ class SocketThread(threading.Thread):
             if size > self.max_message_bytes:
                 self.oversize_messages += 1
                 reply = P.ErrorReply(
-                    req_id=P.peek_req_id([frame.buffer for frame in body]), code="bad_request",
+                    req_id=P.peek_req_id([frame.buffer for frame in body]),
+                    code="bad_request",
                     message=f"the message is {size} bytes, over this server's limit of {self.max_message_bytes}"
-                            " bytes (--max-message-mb)",
+                    " bytes (--max-message-mb)",
                 )
                 self._send_now(peer, P.encode(reply))
                 continue

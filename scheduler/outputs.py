@@ -54,8 +54,11 @@ class OutputStore:
             too_old = self.retention_s is not None and now - job.finished_at >= self.retention_s
             if not (too_many or too_old):
                 return
-            reason = (f"older than {self.retention_s:g} s (--output-retention-s)" if too_old
-                      else f"more than {self.max_stored} jobs kept their files (--max-stored-outputs)")
+            reason = (
+                f"older than {self.retention_s:g} s (--output-retention-s)"
+                if too_old
+                else f"more than {self.max_stored} jobs kept their files (--max-stored-outputs)"
+            )
             self.remove(job, f"the outputs of job {job.id} were deleted: {reason}")
 
     def remove(self, job, reason: str) -> None:
@@ -70,7 +73,7 @@ class OutputStore:
     def _remove_files(self, job) -> None:
         if self.root is None:
             return
-        for item in (job.output.files if job.output is not None else ()):
+        for item in job.output.files if job.output is not None else ():
             path = Path(item.path)
             if self._inside(path):
                 path.unlink(missing_ok=True)

@@ -73,8 +73,9 @@ def _parse(text: str) -> ReadyInfo:
     if not isinstance(data, dict) or not isinstance(data.get("endpoint"), str) or not isinstance(data.get("pid"), int):
         raise ValueError(f"not a tilecast ready file: {text[:200]!r}")
     http_url = data.get("http_url")
-    return ReadyInfo(endpoint=data["endpoint"], http_url=http_url if isinstance(http_url, str) else None,
-                     pid=data["pid"])
+    return ReadyInfo(
+        endpoint=data["endpoint"], http_url=http_url if isinstance(http_url, str) else None, pid=data["pid"]
+    )
 
 
 def _alive(pid: int) -> bool:

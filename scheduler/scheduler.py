@@ -15,6 +15,7 @@ groups hear it through ``cancel_plan(group, seq)``. ``stats()["groups"]`` report
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,8 +23,6 @@ import time
 from typing import Any
 
 import msgspec
-
-import dataclasses
 
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import Batcher, BatchingConfig, QueuedRequest
@@ -68,9 +67,16 @@ class GroupLoad:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         busy_s = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
-        return {"group": self.index, "ranks": list(self.ranks), "ready": self.ready,
-                "busy": self.running is not None, "plans_done": self.plans_done, "jobs_done": self.jobs_done,
-                "jobs_completed": self.jobs_completed, "busy_seconds": round(busy_s, 6)}
+        return {
+            "group": self.index,
+            "ranks": list(self.ranks),
+            "ready": self.ready,
+            "busy": self.running is not None,
+            "plans_done": self.plans_done,
+            "jobs_done": self.jobs_done,
+            "jobs_completed": self.jobs_completed,
+            "busy_seconds": round(busy_s, 6),
+        }
 
 
 class Scheduler(threading.Thread):
@@ -125,8 +131,9 @@ class Scheduler(threading.Thread):
         """Running plans whose every job was cancelled (read by the compute thread)."""
         self._next_seq = 1
         groups = groups if groups is not None else (tuple(range(world_size)),)
-        self.groups = [GroupLoad(index=g, ranks=tuple(ranks), ready=g == 0, idle_since=clock())
-                       for g, ranks in enumerate(groups)]
+        self.groups = [
+            GroupLoad(index=g, ranks=tuple(ranks), ready=g == 0, idle_since=clock()) for g, ranks in enumerate(groups)
+        ]
         """Serving groups (``runtime/replicas.py``); group 0 takes plans from ``work``."""
         self._dispatch_remote = dispatch
         """``dispatch(group, plan)`` for groups 1.. (``ReplicaHub.send_plan``)."""
@@ -214,7 +221,9 @@ class Scheduler(threading.Thread):
             return self._error(identity, msg.req_id, code, f"server is {self.status}: {self.status_detail}")
         if self.table.full():
             return self._error(
-                identity, msg.req_id, "overloaded",
+                identity,
+                msg.req_id,
+                "overloaded",
                 f"queue is full ({self.table.max_queued} requests waiting, --max-queued-requests); retry later",
             )
         try:
@@ -246,18 +255,33 @@ class Scheduler(threading.Thread):
         job_id = JobTable.new_id()
         width, height = getattr(params, "width", None), getattr(params, "height", None)
         batching_view = QueuedRequest(
-            job_id=job_id, model=pipe.model_name, task=pipe.task, key=pipe.batch_key(params),
+            job_id=job_id,
+            model=pipe.model_name,
+            task=pipe.task,
+            key=pipe.batch_key(params),
             resolution=f"{width}x{height}" if width and height else None,
-            enqueued_at=self.clock(), family_max=pipe.max_batch_size,
+            enqueued_at=self.clock(),
+            family_max=pipe.max_batch_size,
         )
-        return Job(id=job_id, params=params, wire_params=msgspec.to_builtins(params), uploads=uploads,
-                   batching_view=batching_view)
+        return Job(
+            id=job_id,
+            params=params,
+            wire_params=msgspec.to_builtins(params),
+            uploads=uploads,
+            batching_view=batching_view,
+        )
 
     def _info(self, job: Job, req_id: int) -> P.JobInfo:
         return P.JobInfo(
-            req_id=req_id, job_id=job.id, state=job.state, error=job.error, progress=job.progress,
-            queue_position=self.table.position(job), created_at=job.created_at,
-            started_at=job.started_at, finished_at=job.finished_at,
+            req_id=req_id,
+            job_id=job.id,
+            state=job.state,
+            error=job.error,
+            progress=job.progress,
+            queue_position=self.table.position(job),
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
         )
 
     def _lookup(self, identity, req_id: int, job_id: str) -> Job | None:
@@ -323,12 +347,19 @@ class Scheduler(threading.Thread):
         self.table.forget(job)
 
     def _on_health(self, identity, msg: P.HealthRequest, _payloads: list) -> None:
-        self._reply(identity, P.HealthReply(
-            req_id=msg.req_id, status=self.status, world_size=self.world_size,
-            model=self.pipeline.model_name, queue_depth=len(self.table.queue),
-            running=sum(len(jobs) for jobs in self._running.values()), detail=self.status_detail,
-            max_message_bytes=self.max_message_bytes,
-        ))
+        self._reply(
+            identity,
+            P.HealthReply(
+                req_id=msg.req_id,
+                status=self.status,
+                world_size=self.world_size,
+                model=self.pipeline.model_name,
+                queue_depth=len(self.table.queue),
+                running=sum(len(jobs) for jobs in self._running.values()),
+                detail=self.status_detail,
+                max_message_bytes=self.max_message_bytes,
+            ),
+        )
 
     def stats(self) -> dict[str, Any]:
         now = self.clock()
@@ -362,9 +393,13 @@ class Scheduler(threading.Thread):
     def _on_shutdown(self, identity, msg: P.ShutdownRequest, _payloads: list) -> None:
         if not (identity.authenticated or identity.local):
             self.refused_shutdowns += 1
-            return self._error(identity, msg.req_id, "forbidden",
-                               "shutdown over the network needs the server's API key (--api-key); without one"
-                               " it is accepted only from this machine")
+            return self._error(
+                identity,
+                msg.req_id,
+                "forbidden",
+                "shutdown over the network needs the server's API key (--api-key); without one"
+                " it is accepted only from this machine",
+            )
         self.begin_shutdown("shutdown requested by a client")
         self._on_health(identity, P.HealthRequest(req_id=msg.req_id), [])
 
@@ -501,10 +536,15 @@ class Scheduler(threading.Thread):
             info = dict(job.output.info)
             for item in job.output.files:
                 if waiter.as_paths:
-                    metas.append(P.OutputMeta(
-                        name=item.name, kind="file", mime=item.mime, size=item.path.stat().st_size,
-                        path=str(item.path),
-                    ))
+                    metas.append(
+                        P.OutputMeta(
+                            name=item.name,
+                            kind="file",
+                            mime=item.mime,
+                            size=item.path.stat().st_size,
+                            path=str(item.path),
+                        )
+                    )
                 else:
                     data = item.path.read_bytes()
                     metas.append(P.OutputMeta(name=item.name, kind="file", mime=item.mime, size=len(data)))

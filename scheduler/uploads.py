@@ -78,8 +78,10 @@ class UploadBudget:
         """Take ``size`` bytes, or return why not (the request is refused as overloaded)."""
         if size and self.held + size > self.limit_bytes:
             self.refused += 1
-            return (f"queued uploads already hold {self.held / 2**20:.1f} MiB; this {size / 2**20:.1f} MiB upload would"
-                    f" pass the {self.limit_bytes / 2**20:g} MiB cap (--max-queued-upload-mb); retry later")
+            return (
+                f"queued uploads already hold {self.held / 2**20:.1f} MiB; this {size / 2**20:.1f} MiB upload would"
+                f" pass the {self.limit_bytes / 2**20:g} MiB cap (--max-queued-upload-mb); retry later"
+            )
         self.held += size
         return None
 

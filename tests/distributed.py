@@ -44,7 +44,9 @@ def _tests_importable_without_the_root() -> None:
     import zlib
 
     package = os.path.dirname(os.path.realpath(__file__))
-    holder = os.path.join(tempfile.gettempdir(), f"tilecast-tests-path-{os.getuid()}-{zlib.crc32(package.encode()):08x}")
+    holder = os.path.join(
+        tempfile.gettempdir(), f"tilecast-tests-path-{os.getuid()}-{zlib.crc32(package.encode()):08x}"
+    )
     link = os.path.join(holder, "tests")
     os.makedirs(holder, exist_ok=True)
     if os.path.realpath(link) != package:

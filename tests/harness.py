@@ -18,15 +18,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 from typing import Any
 
 from tilecast.client import Client, read_ready_file
 
 
 def make_context(
-    output_dir: str | Path = ".", *, rank: int = 0, world_size: int = 1, device: Any = "cpu", cpu_group: Any = None,
-    device_group: Any = None, groups: Any = None, cache_dir: str | Path | None = None, settings: Any = None,
+    output_dir: str | Path = ".",
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: Any = "cpu",
+    cpu_group: Any = None,
+    device_group: Any = None,
+    groups: Any = None,
+    cache_dir: str | Path | None = None,
+    settings: Any = None,
     **fields: Any,
 ):
     """A ``RankContext`` for rank ``rank`` of ``world_size`` on ``device`` (text or ``torch.device``).
@@ -47,8 +54,14 @@ def make_context(
     elif fields:
         raise TypeError(f"give either settings or ServeConfig fields, not both ({', '.join(fields)})")
     return RankContext(
-        rank=rank, world_size=world_size, device=device, cpu_group=cpu_group, device_group=device_group,
-        groups=groups, output_dir=Path(output_dir), settings=settings,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        cpu_group=cpu_group,
+        device_group=device_group,
+        groups=groups,
+        output_dir=Path(output_dir),
+        settings=settings,
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
 
@@ -100,9 +113,9 @@ class ServerProcess:
             """The bound ZeroMQ endpoint, the HTTP base URL (``http=True``) and rank 0's pid."""
             with Client(self.endpoint) as client:
                 client.wait_ready(10)
-        except BaseException:
+        except BaseException as error:
             self.stop()
-            raise AssertionError(f"server did not come up:\n{self.log()}")
+            raise AssertionError(f"server did not come up:\n{self.log()}") from error
 
     def _wait_ready_file(self, timeout: float):
         """The ready file's contents; fails at once if the server exits first."""
@@ -112,7 +125,7 @@ class ServerProcess:
                 return read_ready_file(self.ready_file, timeout=0.5)
             except TimeoutError:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"the server exited with {self.proc.returncode} before it was ready")
+                    raise AssertionError(f"the server exited with {self.proc.returncode} before it was ready") from None
                 if time.monotonic() >= deadline:
                     raise
 

@@ -70,8 +70,9 @@ def test_outside_the_roots_is_only_not_allowed(roots, tmp_path):
         assert str(os.getpid()) not in message.replace(given, "")  # no pid
         assert "exist" not in message  # no hint whether the path exists
     # Existing and missing files outside the roots get the very same words.
-    assert messages[str(outside / "secret.mp4")].replace("secret.mp4", "X") == \
-        messages[str(outside / "no-such-file.mp4")].replace("no-such-file.mp4", "X")
+    assert messages[str(outside / "secret.mp4")].replace("secret.mp4", "X") == messages[
+        str(outside / "no-such-file.mp4")
+    ].replace("no-such-file.mp4", "X")
 
 
 def test_inside_the_roots_the_client_hears_what_is_wrong(roots):

@@ -72,7 +72,9 @@ def test_backends_match_math(monkeypatch, name):
     torch.testing.assert_close(out_BSHD, ref_BSHD, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_BHS, ref_lse_BHS, atol=1e-5, rtol=1e-5)
     # And the reference matches PyTorch's own SDPA and an explicit logsumexp.
-    torch_BSHD = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    torch_BSHD = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(
+        1, 2
+    )
     torch.testing.assert_close(ref_BSHD, torch_BSHD, atol=1e-5, rtol=1e-5)
     scores = torch.einsum("bshd,bkhd->bhsk", q, k) / math.sqrt(q.shape[-1])
     torch.testing.assert_close(ref_lse_BHS, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)

@@ -45,8 +45,10 @@ def _segments(rank, world_size, ulysses, ring):
     from tilecast.kernels.collectives import AttentionParallel
 
     mesh = init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
-    par = AttentionParallel(ulysses_group=mesh.get_group("ulysses") if ulysses > 1 else None,
-                            ring_group=mesh.get_group("ring") if ring > 1 else None)
+    par = AttentionParallel(
+        ulysses_group=mesh.get_group("ulysses") if ulysses > 1 else None,
+        ring_group=mesh.get_group("ring") if ring > 1 else None,
+    )
     g = torch.Generator().manual_seed(1)
     lengths = (5, 7)  # text, image: neither divides by 2 or 4
     segs = [[torch.randn(2, n, 4, 8, generator=g) for n in lengths] for _ in range(3)]  # q, k, v
@@ -59,7 +61,7 @@ def _segments(rank, world_size, ulysses, ring):
 
     def shard(x, length, local):  # pad the segment to n * local, take this rank's part
         x = torch.cat([x, x.new_zeros(x.shape[0], n * local - length, *x.shape[2:])], dim=1)
-        return x[:, sp * local:(sp + 1) * local]
+        return x[:, sp * local : (sp + 1) * local]
 
     local = [torch.cat([shard(x, L, ll) for x, L, ll in zip(parts, lengths, local_lens)], dim=1) for parts in segs]
     valid = [torch.arange(sp * ll, (sp + 1) * ll) < L for L, ll in zip(lengths, local_lens)]
@@ -68,8 +70,9 @@ def _segments(rank, world_size, ulysses, ring):
     # compare the real query rows of this rank's shard
     want_local = [shard(w, L, ll) for w, L, ll in zip(want.split(list(lengths), dim=1), lengths, local_lens)]
     got_local = out.split(local_lens, dim=1)
-    return max(((g_ - w_)[:, v_].abs().max().item() if v_.any() else 0.0)
-               for g_, w_, v_ in zip(got_local, want_local, valid))
+    return max(
+        ((g_ - w_)[:, v_].abs().max().item() if v_.any() else 0.0) for g_, w_, v_ in zip(got_local, want_local, valid)
+    )
 
 
 @pytest.mark.timeout(120)

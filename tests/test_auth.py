@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from tilecast.client import AsyncClient, AuthenticationError, Client, ServerError
 from tilecast.launcher import cli
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.settings import describe
 from tilecast.runtime.inproc import InProcessServer
+from tilecast.runtime.settings import describe
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.auth import CurveKeys
 from tilecast.scheduler.io_thread import Peer
@@ -116,8 +116,13 @@ def _scheduler():
     from tilecast.scheduler.scheduler import Scheduler
 
     sent: list = []
-    scheduler = Scheduler(pipeline=_Pipeline(), send=lambda peer, frames: sent.append((peer, frames)),
-                          batching=BatchingConfig(), max_queued=4, world_size=1)
+    scheduler = Scheduler(
+        pipeline=_Pipeline(),
+        send=lambda peer, frames: sent.append((peer, frames)),
+        batching=BatchingConfig(),
+        max_queued=4,
+        world_size=1,
+    )
     return scheduler, sent
 
 
@@ -183,8 +188,9 @@ def test_loopback_needs_no_key(host):
 def test_serve_on_an_exposed_address_without_a_key_exits_before_any_rank(monkeypatch):
     monkeypatch.delenv("TILECAST_API_KEY", raising=False)
     monkeypatch.setattr(cli, "_run_ranks", lambda *a, **k: pytest.fail("ranks were started"))
-    result = CliRunner().invoke(cli.app, ["serve", "--model-path", "test/allreduce", "--device", "cpu",
-                                          "--host", "0.0.0.0"])
+    result = CliRunner().invoke(
+        cli.app, ["serve", "--model-path", "test/allreduce", "--device", "cpu", "--host", "0.0.0.0"]
+    )
     assert result.exit_code == 2, result.output
     assert "no --api-key" in result.output
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tilecast.runtime.config import ServeConfig
 from tilecast.scheduler.batching import (
     Batcher,
     BatchingConfig,
@@ -26,7 +27,6 @@ from tilecast.scheduler.batching_metrics import (
     percentile_nearest_rank,
 )
 from tilecast.scheduler.batching_rules import BatchingRules
-from tilecast.runtime.config import ServeConfig
 
 FLUX = "black-forest-labs/FLUX.1-dev"
 QWEN = "Qwen/Qwen-Image"
@@ -40,18 +40,38 @@ class FakeClock:
         return self.now
 
 
-def req(job_id: str, t: float, *, model: str = FLUX, task: str = "t2i", res: str | None = "1024x1024",
-        family: int = 8, **key_overrides) -> QueuedRequest:
+def req(
+    job_id: str,
+    t: float,
+    *,
+    model: str = FLUX,
+    task: str = "t2i",
+    res: str | None = "1024x1024",
+    family: int = 8,
+    **key_overrides,
+) -> QueuedRequest:
     width, height = (res or "0x0").split("x")
-    key = {"width": int(width), "height": int(height), "num_inference_steps": 28, "guidance_scale": 3.5,
-           "output_format": "png"}
+    key = {
+        "width": int(width),
+        "height": int(height),
+        "num_inference_steps": 28,
+        "guidance_scale": 3.5,
+        "output_format": "png",
+    }
     key.update(key_overrides)
-    return QueuedRequest(job_id=job_id, model=model, task=task, key=key, resolution=res, enqueued_at=t,
-                         family_max=family)
+    return QueuedRequest(
+        job_id=job_id, model=model, task=task, key=key, resolution=res, enqueued_at=t, family_max=family
+    )
 
 
-def batcher(clock: FakeClock, *, mode: str = "dynamic", max_size: int = 8, delay_ms: float = 5.0,
-            rules: list[dict] | None = None) -> Batcher:
+def batcher(
+    clock: FakeClock,
+    *,
+    mode: str = "dynamic",
+    max_size: int = 8,
+    delay_ms: float = 5.0,
+    rules: list[dict] | None = None,
+) -> Batcher:
     parsed = BatchingRules.from_dict({"schema_version": 1, "rules": rules}) if rules is not None else None
     return Batcher(BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms, rules=parsed), clock=clock)
 
@@ -173,8 +193,15 @@ def test_rejects_count_the_first_differing_field():
 
 def test_first_difference_on_keys_of_different_shape():
     a = req("a", 0.0)
-    b = QueuedRequest(job_id="b", model=FLUX, task="t2i", key={**a.key, "true_cfg": 4.0},
-                      resolution="1024x1024", enqueued_at=0.0, family_max=8)
+    b = QueuedRequest(
+        job_id="b",
+        model=FLUX,
+        task="t2i",
+        key={**a.key, "true_cfg": 4.0},
+        resolution="1024x1024",
+        enqueued_at=0.0,
+        family_max=8,
+    )
     assert first_difference(a, b) == "true_cfg"
     assert first_difference(b, a) == "true_cfg"
     assert first_difference(a, req("c", 1.0)) is None
@@ -183,8 +210,14 @@ def test_first_difference_on_keys_of_different_shape():
 def test_head_gathers_from_anywhere_and_the_rest_keeps_fifo_order():
     clock = FakeClock(0.0)
     b = batcher(clock, max_size=8)
-    queue = [req("a1", 0.0), req("b1", 0.001, res="512x512"), req("a2", 0.002), req("b2", 0.003, res="512x512"),
-             req("a3", 0.004), req("c1", 0.005, res="768x768")]
+    queue = [
+        req("a1", 0.0),
+        req("b1", 0.001, res="512x512"),
+        req("a2", 0.002),
+        req("b2", 0.003, res="512x512"),
+        req("a3", 0.004),
+        req("c1", 0.005, res="768x768"),
+    ]
     clock.now = 0.006
     d = b.select(queue)
     assert d.job_ids == ["a1", "a2", "a3"] and d.rejects == {"resolution": 3}
@@ -236,8 +269,14 @@ def test_event_loop_simulation_merges_close_arrivals():
     """Three compatible requests 1 ms apart and one odd one: the loop sleeps until deadlines."""
     clock = FakeClock(0.0)
     b = batcher(clock, max_size=8, delay_ms=5.0)
-    arrivals = collections.deque([(0.000, req("a", 0.000)), (0.001, req("b", 0.001)),
-                                  (0.002, req("odd", 0.002, num_inference_steps=4)), (0.003, req("c", 0.003))])
+    arrivals = collections.deque(
+        [
+            (0.000, req("a", 0.000)),
+            (0.001, req("b", 0.001)),
+            (0.002, req("odd", 0.002, num_inference_steps=4)),
+            (0.003, req("c", 0.003)),
+        ]
+    )
     queue: list[QueuedRequest] = []
     dispatched = []
     while arrivals or queue:
@@ -333,8 +372,14 @@ def test_stats_line_every_k_covers_the_last_k_and_names_top_rejects(caplog):
     metrics = BatchMetrics(stats_every=2, log=True)
 
     def dispatch(size: int, wait: float, rejects: dict[str, int]) -> Dispatch:
-        return Dispatch(job_ids=[str(i) for i in range(size)], cap=4, size_limit=4, stop_reason="delay",
-                        queue_wait_ms=wait, rejects=rejects)
+        return Dispatch(
+            job_ids=[str(i) for i in range(size)],
+            cap=4,
+            size_limit=4,
+            stop_reason="delay",
+            queue_wait_ms=wait,
+            rejects=rejects,
+        )
 
     with caplog.at_level(logging.INFO, logger="tilecast.scheduler.batching_metrics"):
         assert len(metrics.record(dispatch(4, 1.0, {"model": 5}), 4)) == 1
@@ -353,8 +398,10 @@ def test_snapshot_has_cumulative_and_window_figures():
     metrics = BatchMetrics(stats_every=5)
     for d in reference_dispatches():
         metrics.record(d, 8)
-    metrics.record(Dispatch(job_ids=["x"], cap=8, size_limit=8, stop_reason="delay", queue_wait_ms=5.0,
-                            rejects={"resolution": 2}), 8)
+    metrics.record(
+        Dispatch(job_ids=["x"], cap=8, size_limit=8, stop_reason="delay", queue_wait_ms=5.0, rejects={"resolution": 2}),
+        8,
+    )
     snap = metrics.snapshot()
     cum, win = snap["cumulative"], snap["window"]
     assert snap["stats_every"] == 5

@@ -16,8 +16,8 @@ import pytest
 
 from tilecast.client import Client, JobFailedError
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.inproc import InProcessServer
+from tilecast.runtime.models.families.flux import TINY_FLUX
 
 BATCH_TOL = 1e-4
 DISPATCH = re.compile(r"Dynamic batch dispatch: size=(\d+)/(\d+), user_max=8")
@@ -31,8 +31,14 @@ def serve(tiny_cache, tmp_path):
     @contextmanager
     def start(model_path: str, *, delay_ms: float = 300.0, max_size: int = 8):
         config = ServeConfig(
-            model_path=model_path, device="cpu", port=0, batching_mode="dynamic", batching_max_size=max_size,
-            batching_delay_ms=delay_ms, enable_batching_metrics=True, output_dir=tmp_path / "out",
+            model_path=model_path,
+            device="cpu",
+            port=0,
+            batching_mode="dynamic",
+            batching_max_size=max_size,
+            batching_delay_ms=delay_ms,
+            enable_batching_metrics=True,
+            output_dir=tmp_path / "out",
         )
         server = InProcessServer(config).start()
         try:
@@ -140,10 +146,23 @@ def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_
 
     TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
     server = ServerProcess(
-        "--model-path", "tiny/flux", "--num-gpus", "2", "--device", "cpu", "--batching-mode", "dynamic",
-        "--batching-max-size", "8", "--batching-delay-ms", "200", "--enable-batching-metrics",
-        "--output-dir", str(tmp_path / "out"),
-        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1"}, ready_timeout=150.0,
+        "--model-path",
+        "tiny/flux",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "8",
+        "--batching-delay-ms",
+        "200",
+        "--enable-batching-metrics",
+        "--output-dir",
+        str(tmp_path / "out"),
+        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1"},
+        ready_timeout=150.0,
     )
     try:
         with server.client(timeout=60.0) as client:
@@ -169,7 +188,13 @@ def test_batching_bench_reports_both_servers(tiny_cache, capsys):
 
     TINY_FLUX.ensure(tiny_cache)
     report = run_batching_bench(
-        "tiny/flux", num_clients=4, requests_per_client=2, width=32, height=32, steps=1, device="cpu",
+        "tiny/flux",
+        num_clients=4,
+        requests_per_client=2,
+        width=32,
+        height=32,
+        steps=1,
+        device="cpu",
         batching_delay_ms=100.0,
     )
     for mode in ("singleton", "dynamic"):

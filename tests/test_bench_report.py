@@ -36,7 +36,7 @@ def test_time_repeated_as_one_loop_reports_the_mean():
     assert timing.calls_s == () and timing.warmup_s < 0.001 and timing.num_calls == 4
     assert timing.mean_s == timing.median_s == pytest.approx(timing.total_s / 4) and timing.mean_s >= 0.001
     with pytest.raises(ValueError, match="no per-call times"):
-        timing.median_low_index
+        _ = timing.median_low_index
 
 
 def test_time_calls_times_different_calls_in_order():
@@ -77,7 +77,13 @@ def test_peer_ratio_and_output_comparison():
 
 def test_table_and_json(capsys, tmp_path):
     assert [report.fmt(v) for v in (1.23456, 0.001234, 0.0, None, 7, "x")] == [
-        "1.235", "1.23e-03", "0.000", "", "7", "x"]
+        "1.235",
+        "1.23e-03",
+        "0.000",
+        "",
+        "7",
+        "x",
+    ]
     rows = [{"side": "diffusers", "e2e_s": 2.0}, {"side": "tilecast", "e2e_s": 1.0, "ratio": 0.5}]
     report.print_table(rows, ["side", "e2e_s", "ratio"], "a title")
     printed = capsys.readouterr().out
@@ -90,24 +96,42 @@ def test_table_and_json(capsys, tmp_path):
 
 
 def test_batching_report_rows_name_every_mode_and_ratio():
-    server = dict(requests=4, errors=0, throughput_rps=2.0, p50_ms=10.0, p95_ms=12.0, avg_batch_size=2.0,
-                  merged_rate=0.5)
+    server = dict(
+        requests=4, errors=0, throughput_rps=2.0, p50_ms=10.0, p95_ms=12.0, avg_batch_size=2.0, merged_rate=0.5
+    )
     peer = dict(requests=4, throughput_rps=1.0, p50_ms=20.0, batch_size=1.0)
-    results = dict(peer="diffusers", singleton=server, dynamic=server, peer_one_at_a_time=peer,
-                   peer_offline_batch=peer, throughput_ratio=1.0, p50_ratio=1.0, p95_ratio=1.0,
-                   dynamic_vs_peer_offline_batch=2.0, dynamic_vs_peer_one_at_a_time=2.0,
-                   singleton_vs_peer_one_at_a_time=2.0)
+    results = dict(
+        peer="diffusers",
+        singleton=server,
+        dynamic=server,
+        peer_one_at_a_time=peer,
+        peer_offline_batch=peer,
+        throughput_ratio=1.0,
+        p50_ratio=1.0,
+        p95_ratio=1.0,
+        dynamic_vs_peer_offline_batch=2.0,
+        dynamic_vs_peer_one_at_a_time=2.0,
+        singleton_vs_peer_one_at_a_time=2.0,
+    )
     rows = bench_table_rows(results)
     assert [row["mode"] for row in rows] == [
-        "diffusers one at a time", "diffusers offline batch", "singleton", "dynamic", "ratio dynamic / singleton",
-        "ratio dynamic / diffusers offline batch", "ratio dynamic / diffusers one at a time",
-        "ratio singleton / diffusers one at a time"]
+        "diffusers one at a time",
+        "diffusers offline batch",
+        "singleton",
+        "dynamic",
+        "ratio dynamic / singleton",
+        "ratio dynamic / diffusers offline batch",
+        "ratio dynamic / diffusers one at a time",
+        "ratio singleton / diffusers one at a time",
+    ]
     assert rows[3]["merged"] == "50%" and rows[-1]["throughput (req/s)"] == "2.00x"
 
 
 @pytest.mark.timeout(60)
 def test_mounting_bench_imports_no_torch():
-    code = ("import sys, tilecast.launcher.bench, tilecast.launcher.bench.cli, tilecast.launcher.bench.placement; "
-            "print(sorted(m for m in ('torch', 'diffusers', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, tilecast.launcher.bench, tilecast.launcher.bench.cli, tilecast.launcher.bench.placement; "
+        "print(sorted(m for m in ('torch', 'diffusers', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert "torch" not in out.stdout and "diffusers" not in out.stdout, out.stdout

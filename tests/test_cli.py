@@ -29,8 +29,9 @@ def _invoke(*args: str):
 
 
 def test_invalid_topology_lists_every_error_and_starts_nothing(no_ranks):
-    result = _invoke("serve", "--model-path", "tiny/k6sr", "--device", "cpu", "--num-gpus", "2",
-                     "--ulysses-degree", "5")
+    result = _invoke(
+        "serve", "--model-path", "tiny/k6sr", "--device", "cpu", "--num-gpus", "2", "--ulysses-degree", "5"
+    )
     assert result.exit_code == 2
     assert "GPU count must equal TP times Ulysses times Ring" in result.output
     assert "TP times Ulysses must divide the 12 DiT heads" in result.output
@@ -49,8 +50,19 @@ def test_invalid_topology_lists_every_error_and_starts_nothing(no_ranks):
 def test_bad_batching_rules_stop_start_up(no_ranks, tmp_path, rules, message):
     path = tmp_path / "rules.json"
     path.write_text(rules)
-    result = _invoke("serve", "--model-path", "tiny/flux", "--device", "cpu", "--batching-mode", "dynamic",
-                     "--batching-max-size", "4", "--batching-config", str(path))
+    result = _invoke(
+        "serve",
+        "--model-path",
+        "tiny/flux",
+        "--device",
+        "cpu",
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "4",
+        "--batching-config",
+        str(path),
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output
 

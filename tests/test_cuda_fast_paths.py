@@ -115,8 +115,16 @@ def test_fused_spatial_norm_matches_pytorch(channels, rh, rw, with_bias):
     gamma = (torch.rand(channels, device="cuda") + 0.5).bfloat16()
     h_bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16) if with_bias else None
     args = (channels**0.5, gamma, y, b, rh, rw)
-    exact = reference(h.double(), channels**0.5, gamma.double(), y.double(), b.double(), rh, rw,
-                      h_bias_C=None if h_bias is None else h_bias.double())
+    exact = reference(
+        h.double(),
+        channels**0.5,
+        gamma.double(),
+        y.double(),
+        b.double(),
+        rh,
+        rw,
+        h_bias_C=None if h_bias is None else h_bias.double(),
+    )
     expected = reference(h, *args, h_bias_C=h_bias).double()
     got = triton_fused(h, *args, h_bias_C=h_bias).double()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
@@ -131,8 +139,10 @@ def _mid_vae(dtype):
     torch.manual_seed(0)
     with torch.device("cuda"):
         vae = Kandinsky6SRVAE(
-            latent_channels=64, encoder_block_out_channels=(16, 32, 64, 128, 128),
-            decoder_block_out_channels=(16, 64, 128, 256, 256), layers_per_block=2,
+            latent_channels=64,
+            encoder_block_out_channels=(16, 32, 64, 128, 128),
+            decoder_block_out_channels=(16, 64, 128, 256, 256),
+            layers_per_block=2,
         )
     return vae.eval().requires_grad_(False).to(dtype)
 
@@ -211,8 +221,10 @@ def test_flux_fp8_step_stays_within_its_tolerance(compile_blocks):
     fp8_fp32 = _flux_step(torch.float32, fast=True, compile_blocks=compile_blocks, quantize="fp8")
     fp8_bf16 = _flux_step(torch.bfloat16, fast=True, compile_blocks=compile_blocks, quantize="fp8").float()
     bf16 = _flux_step(torch.bfloat16, fast=True, compile_blocks=compile_blocks).float()
-    print(f"FLUX step vs fp32 PSNR: fp8 in fp32 {psnr_db(fp8_fp32, reference):.2f} dB, "
-          f"fp8 in bf16 {psnr_db(fp8_bf16, reference):.2f} dB, bf16 {psnr_db(bf16, reference):.2f} dB")
+    print(
+        f"FLUX step vs fp32 PSNR: fp8 in fp32 {psnr_db(fp8_fp32, reference):.2f} dB, "
+        f"fp8 in bf16 {psnr_db(fp8_bf16, reference):.2f} dB, bf16 {psnr_db(bf16, reference):.2f} dB"
+    )
     assert not torch.equal(fp8_bf16, bf16)
     assert 40.0 <= psnr_db(fp8_fp32, reference) < float("inf")
     assert psnr_db(fp8_bf16, reference) >= psnr_db(bf16, reference) - 1.0
@@ -240,9 +252,17 @@ def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
         out = []
         with torch.inference_mode():
             for batch in (1, 2, 1):
-                out.append(pipe(prompt=[f"graph test {i}" for i in range(batch)], width=128, height=96,
-                                num_inference_steps=4, max_sequence_length=FluxT2IPipeline.max_sequence_length,
-                                generator=torch.Generator("cpu").manual_seed(batch), output_type="pt").images.cpu())
+                out.append(
+                    pipe(
+                        prompt=[f"graph test {i}" for i in range(batch)],
+                        width=128,
+                        height=96,
+                        num_inference_steps=4,
+                        max_sequence_length=FluxT2IPipeline.max_sequence_length,
+                        generator=torch.Generator("cpu").manual_seed(batch),
+                        output_type="pt",
+                    ).images.cpu()
+                )
         return out, pipe.transformer.forward
 
     plain, _ = images(cuda_graphs=False)
@@ -252,8 +272,10 @@ def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("shape, factors", [((1, 5, 6, 8, 128), (1, 2, 2, 0)), ((2, 4, 3, 5, 24), (2, 1, 1, 1)),
-                                            ((1, 3, 4, 4, 1024), (3, 2, 1, 2))])
+@pytest.mark.parametrize(
+    "shape, factors",
+    [((1, 5, 6, 8, 128), (1, 2, 2, 0)), ((2, 4, 3, 5, 24), (2, 1, 1, 1)), ((1, 3, 4, 4, 1024), (3, 2, 1, 2))],
+)
 def test_triton_nearest_repeat_is_the_reference_copy(shape, factors):
     from tilecast.kernels.upsample import reference, triton_repeat
 
@@ -278,10 +300,13 @@ def test_triton_bias_add_is_pytorchs_two_adds(channels, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_steps, config, shape", [
-    (2, {}, (1, 31, 32, 48, 64)),  # one large K6 SR tile, the released schedule
-    (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}, (2, 3, 5, 7, 24)),
-])
+@pytest.mark.parametrize(
+    "num_steps, config, shape",
+    [
+        (2, {}, (1, 31, 32, 48, 64)),  # one large K6 SR tile, the released schedule
+        (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}, (2, 3, 5, 7, 24)),
+    ],
+)
 def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
     from diffusers import PiflowScheduler
 

@@ -16,7 +16,9 @@ def test_signature_tells_shapes_and_values_apart_but_not_tensor_contents():
     a = cuda_graphs._signature((torch.zeros(2, 3),), {"t": torch.ones(2), "return_dict": False})
     assert a == cuda_graphs._signature((torch.ones(2, 3),), {"return_dict": False, "t": torch.zeros(2)})
     assert a != cuda_graphs._signature((torch.zeros(1, 3),), {"t": torch.ones(2), "return_dict": False})
-    assert a != cuda_graphs._signature((torch.zeros(2, 3, dtype=torch.float16),), {"t": torch.ones(2), "return_dict": False})
+    assert a != cuda_graphs._signature(
+        (torch.zeros(2, 3, dtype=torch.float16),), {"t": torch.ones(2), "return_dict": False}
+    )
     assert a != cuda_graphs._signature((torch.zeros(2, 3),), {"t": torch.ones(2), "return_dict": True})
     # FluxPipeline passes joint_attention_kwargs={}: plain containers are part of the key
     assert cuda_graphs._signature((), {"k": {}}) != cuda_graphs._signature((), {"k": {"scale": 1.0}})
@@ -45,7 +47,9 @@ def test_serve_refuses_cuda_graphs_on_cpu_naming_the_flag():
     from tilecast.launcher.cli import app
 
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--cuda-graphs"])
-    assert result.exit_code == 2 and "--cuda-graphs needs --device cuda, got --device cpu" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "--cuda-graphs needs --device cuda, got --device cpu" in " ".join(
+        result.output.split()
+    )
 
 
 def test_k6sr_refuses_cuda_graphs_instead_of_ignoring_it(tmp_path):

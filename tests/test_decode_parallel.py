@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.distributed import run_ranks, one_thread
+from tests.distributed import one_thread, run_ranks
 from tests.harness import make_context
 from tilecast.runtime.config import ServeConfig, VaeConfig
 from tilecast.runtime.models.k6sr.decode_parallel import decode_serial, decode_whole_tiles, num_rounds, owner_of
@@ -61,10 +61,12 @@ def _whole_tile(rank, world_size, cases):
     for num_tiles, batch, repeats in cases:
         plan, chunks, decode, num_frames = make_case(num_tiles, batch)
         with torch.no_grad():
-            outputs.append([
-                decode_whole_tiles(decode, chunks, plan, num_frames, group=dist.group.WORLD, device="cpu")
-                for _ in range(repeats)
-            ])
+            outputs.append(
+                [
+                    decode_whole_tiles(decode, chunks, plan, num_frames, group=dist.group.WORLD, device="cpu")
+                    for _ in range(repeats)
+                ]
+            )
     return outputs
 
 
@@ -147,9 +149,18 @@ def test_tile_work_from_settings_refuses_what_cannot_apply():
 # ---------------------------------------------------------------------------------------------
 # End to end: K6SRPipeline.run on 2 ranks (whole-tile decode; tile-parallel + whole-tile) vs 1 rank.
 
+
 def _pipeline_ctx(rank, world_size, group, output_dir, cache_dir, media_dir, **settings):
-    return make_context(output_dir, rank=rank, world_size=world_size, cpu_group=group, device_group=group,
-                        cache_dir=cache_dir, allowed_video_dirs=[str(media_dir)], **settings)
+    return make_context(
+        output_dir,
+        rank=rank,
+        world_size=world_size,
+        cpu_group=group,
+        device_group=group,
+        cache_dir=cache_dir,
+        allowed_video_dirs=[str(media_dir)],
+        **settings,
+    )
 
 
 def _run_pipeline(ctx, video_path):
@@ -179,9 +190,9 @@ MODES = {
 
 
 def _pipeline_rank(rank, world_size, tmp, video_path):
-    import torch.distributed as dist
-
     from pathlib import Path
+
+    import torch.distributed as dist
 
     tmp = Path(tmp)
     ctx = _pipeline_ctx(rank, world_size, dist.group.WORLD, tmp / f"out{rank}", tmp / "cache", video_path.parent)
@@ -190,7 +201,6 @@ def _pipeline_rank(rank, world_size, tmp, video_path):
 
 def test_pipeline_on_two_ranks_matches_one_rank(tmp_path):
     from tests.media import write_test_video
-
     from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 
     ensure_tiny_k6sr(tmp_path / "cache")

@@ -63,8 +63,9 @@ def test_preflight_names_a_dp_degree_that_does_not_fill_the_gpus():
     config = build_config({"model_path": "test/allreduce", "device": "cpu", "num_gpus": 4, "dp_degree": 2})
     assert (config.dp_degree, config.ulysses_degree) == (2, 2)  # the picker lays out one replica
     assert topology_errors(config) == []
-    bad = build_config({"model_path": "test/allreduce", "device": "cpu", "num_gpus": 2, "dp_degree": 3,
-                        "ulysses_degree": 1})
+    bad = build_config(
+        {"model_path": "test/allreduce", "device": "cpu", "num_gpus": 2, "dp_degree": 3, "ulysses_degree": 1}
+    )
     (error,) = topology_errors(bad)
     assert "DP 3" in error and "num_gpus=2" in error
 
@@ -75,9 +76,14 @@ class _Peer:
 
 def _scheduler(groups, sent):
     sched = Scheduler(
-        pipeline=_FakePipeline(), send=lambda peer, frames: None, batching=BatchingConfig(), max_queued=16,
-        world_size=sum(len(g) for g in groups), groups=groups,
-        dispatch=lambda group, plan: sent.append((group, plan)), cancel_plan=lambda group, seq: sent.append((group, ("cancel", seq))),
+        pipeline=_FakePipeline(),
+        send=lambda peer, frames: None,
+        batching=BatchingConfig(),
+        max_queued=16,
+        world_size=sum(len(g) for g in groups),
+        groups=groups,
+        dispatch=lambda group, plan: sent.append((group, plan)),
+        cancel_plan=lambda group, seq: sent.append((group, ("cancel", seq))),
     )
     return sched
 
@@ -147,8 +153,14 @@ def _metrics(stats) -> str:
 
 def test_watchdog_stuck_rule_applies_per_group():
     now = [0.0]
-    dog = Watchdog(world_size=4, beat=ProgressBeat(), config=WatchdogConfig(stuck_timeout_s=5.0),
-                   on_fatal=lambda reason: None, clock=lambda: now[0], groups=((0, 1), (2, 3)))
+    dog = Watchdog(
+        world_size=4,
+        beat=ProgressBeat(),
+        config=WatchdogConfig(stuck_timeout_s=5.0),
+        on_fatal=lambda reason: None,
+        clock=lambda: now[0],
+        groups=((0, 1), (2, 3)),
+    )
     try:
         for rank in range(4):
             dog._observe(rank, 1, True)
@@ -176,11 +188,20 @@ def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_r
     TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
     plans = tmp_path / "plans"
     plans.mkdir()
-    requests = [dict(prompt=f"replica {i}", seed=i, num_inference_steps=24, return_tensor=True, **SMALL)
-                for i in range(8)]
+    requests = [
+        dict(prompt=f"replica {i}", seed=i, num_inference_steps=24, return_tensor=True, **SMALL) for i in range(8)
+    ]
     server = ServerProcess(
-        "--model-path", "tiny/flux", "--num-gpus", "2", "--dp-degree", "2", "--device", "cpu",
-        "--output-dir", str(tmp_path / "out"),
+        "--model-path",
+        "tiny/flux",
+        "--num-gpus",
+        "2",
+        "--dp-degree",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
         env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1", "TILECAST_PLAN_LOG_DIR": str(plans)},
         ready_timeout=150.0,
     )
@@ -214,8 +235,20 @@ def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_r
 def _probe_server(tmp_path, *extra, plans: Path | None = None) -> ServerProcess:
     env = {"TILECAST_PLAN_LOG_DIR": str(plans)} if plans is not None else {}
     return ServerProcess(
-        "--model-path", "test/allreduce", "--num-gpus", "2", "--dp-degree", "2", "--device", "cpu",
-        "--output-dir", str(tmp_path / "out"), "--heartbeat-timeout-s", "5", *extra, env=env,
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--dp-degree",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--heartbeat-timeout-s",
+        "5",
+        *extra,
+        env=env,
     )
 
 
@@ -306,9 +339,22 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
     plans = tmp_path / "plans"
     plans.mkdir()
     server = ServerProcess(
-        "--model-path", "tiny/k6sr", "--num-gpus", "4", "--dp-degree", "2", "--ulysses-degree", "2",
-        "--device", "cpu", "--output-dir", str(tmp_path / "out"), "--allowed-video-dir", str(tmp_path),
-        env={"TILECAST_PLAN_LOG_DIR": str(plans)}, ready_timeout=240.0,
+        "--model-path",
+        "tiny/k6sr",
+        "--num-gpus",
+        "4",
+        "--dp-degree",
+        "2",
+        "--ulysses-degree",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--allowed-video-dir",
+        str(tmp_path),
+        env={"TILECAST_PLAN_LOG_DIR": str(plans)},
+        ready_timeout=240.0,
     )
     request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=2, seed=3, return_frames=True)
     try:
@@ -323,8 +369,9 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
     assert set(ran) == {0, 1} and ran[0] != ran[1], records
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}
     assert (first.tensor("frames") == second.tensor("frames")).all()
-    config = ServeConfig(model_path="tiny/k6sr", device="cpu", port=0, output_dir=tmp_path / "one",
-                         allowed_video_dirs=(tmp_path,))
+    config = ServeConfig(
+        model_path="tiny/k6sr", device="cpu", port=0, output_dir=tmp_path / "one", allowed_video_dirs=(tmp_path,)
+    )
     with InProcessServer(config) as one, Client(one.endpoint, timeout=240.0) as client:
         alone = client.generate(timeout=240.0, **request).tensor("frames")
     diff = (first.tensor("frames").int() - alone.int()).abs()

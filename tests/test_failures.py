@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tilecast.client import Client, JobFailedError, ServerDeadError
 from tests.harness import ServerProcess, rank_pid
+from tilecast.client import Client, JobFailedError, ServerDeadError
 
 
 def _wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20.0) -> None:
@@ -22,8 +22,9 @@ def _wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20
         time.sleep(0.05)
 
 
-def _collect_outcomes(server: ServerProcess, job_ids: list[str], timeout: float,
-                      connected: threading.Barrier | None = None) -> dict[str, str]:
+def _collect_outcomes(
+    server: ServerProcess, job_ids: list[str], timeout: float, connected: threading.Barrier | None = None
+) -> dict[str, str]:
     """Wait for every job from its own thread; map job id -> terminal outcome text. With
     ``connected``, every thread first hears the server answer ``health``, then waits on it."""
     outcomes: dict[str, str] = {}
@@ -51,8 +52,17 @@ def _collect_outcomes(server: ServerProcess, job_ids: list[str], timeout: float,
 
 def _start(tmp_path, *extra: str) -> ServerProcess:
     return ServerProcess(
-        "--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu",
-        "--output-dir", str(tmp_path), "--heartbeat-timeout-s", "5", *extra,
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path),
+        "--heartbeat-timeout-s",
+        "5",
+        *extra,
     )
 
 
@@ -114,7 +124,8 @@ def test_sigterm_stops_everything_cleanly(tmp_path):
         results: dict[str, str] = {}
         connected = threading.Barrier(3, timeout=20)
         waiter = threading.Thread(
-            target=lambda: results.update(_collect_outcomes(server, [running, queued], 30, connected)))
+            target=lambda: results.update(_collect_outcomes(server, [running, queued], 30, connected))
+        )
         waiter.start()
         connected.wait()  # both waiters reached the server (BrokenBarrierError fails the test)
         server.proc.send_signal(signal.SIGTERM)

@@ -62,7 +62,9 @@ def test_tiny_checkpoint_is_byte_identical_on_every_build(tiny_cache, tmp_path):
     first = TINY_FLUX.ensure(tiny_cache)
     second = TINY_FLUX.ensure(tmp_path)
     files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
-    assert {Path("model_index.json"), Path("tokenizer/tokenizer.json"), Path("tokenizer_2/tokenizer.json")} <= set(files)
+    assert {Path("model_index.json"), Path("tokenizer/tokenizer.json"), Path("tokenizer_2/tokenizer.json")} <= set(
+        files
+    )
     assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
     for rel in files:
         assert (first / rel).read_bytes() == (second / rel).read_bytes(), rel
@@ -117,7 +119,9 @@ def test_seed_alone_decides_the_noise(loaded):
     pipe, ctx = loaded("tiny/flux")
     a = params_for(pipe, prompt="same", seed=7, return_tensor=True)
     b = params_for(pipe, prompt="same", seed=8, return_tensor=True)
-    out = pipe.run([WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b), WorkItem(job_id="c", params=a)], ctx)
+    out = pipe.run(
+        [WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b), WorkItem(job_id="c", params=a)], ctx
+    )
     assert (out[0].tensors["image"] - out[2].tensors["image"]).abs().max() <= BATCH_TOL
     assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
 
@@ -126,7 +130,9 @@ def test_output_file_name_and_jpeg(loaded):
     pipe, ctx = loaded("tiny/flux")
     params = params_for(pipe, prompt="x", output_format="jpeg", output_file_name="mine.jpg")
     out = pipe.run([WorkItem(job_id="j", params=params)], ctx)[0]
-    assert out.files[0].path == ctx.output_dir / "j" / "mine.jpg"  # a folder per job and out.files[0].mime == "image/jpeg"
+    assert (
+        out.files[0].path == ctx.output_dir / "j" / "mine.jpg"
+    )  # a folder per job and out.files[0].mime == "image/jpeg"
     assert out.files[0].path.read_bytes()[:2] == b"\xff\xd8" and not out.tensors
 
 
@@ -178,7 +184,12 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     b = params_for(pipe, prompt="b", seed=2)
     assert pipe.batch_key(a) == pipe.batch_key(b)
     assert set(pipe.batch_key(a)) == {
-        "width", "height", "num_inference_steps", "guidance_scale", "output_format", "return_tensor",
+        "width",
+        "height",
+        "num_inference_steps",
+        "guidance_scale",
+        "output_format",
+        "return_tensor",
     }
     for change in ({"num_inference_steps": 3}, {"guidance_scale": 1.0}, {"return_tensor": True}, {"width": 48}):
         assert pipe.batch_key(params_for(pipe, prompt="a", **change)) != pipe.batch_key(b), change
@@ -192,8 +203,9 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
     eager, ctx = loaded(name)
     compiled = FAMILIES[name].load(name, make_context(tmp_path, dtype="float32", compile=True))
-    blocks = [m for m in compiled.pipe.transformer.modules()
-              if type(m).__name__ in compiled.pipe.transformer._repeated_blocks]
+    blocks = [
+        m for m in compiled.pipe.transformer.modules() if type(m).__name__ in compiled.pipe.transformer._repeated_blocks
+    ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
     params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True)
     expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]

@@ -60,8 +60,14 @@ def _context(rank: int, world_size: int, output_dir, groups, ulysses: int = 1, r
 
     config = ServeConfig(num_gpus=world_size, ulysses_degree=ulysses, ring_degree=ring, dtype="float32", **settings)
     return RankContext(
-        rank=rank, world_size=world_size, device=torch.device("cpu"), cpu_group=None, device_group=None,
-        output_dir=output_dir, groups=groups, settings=config,
+        rank=rank,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        cpu_group=None,
+        device_group=None,
+        output_dir=output_dir,
+        groups=groups,
+        settings=config,
     )
 
 
@@ -107,14 +113,21 @@ def _sp_ranks(rank, world_size, name, ulysses, ring, cache_dir, output_dir, fiel
     pipeline = _pipeline_class(name).load(name, ctx)
     queries = []
     first = next(m for m in pipeline.pipe.transformer.modules() if hasattr(m, "set_processor"))
-    first.register_forward_pre_hook(lambda module, args, kwargs: queries.append(
-        (kwargs.get("hidden_states", args[0] if args else None)).shape[1]), with_kwargs=True)
+    first.register_forward_pre_hook(
+        lambda module, args, kwargs: queries.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
+        with_kwargs=True,
+    )
     outputs = _generate(pipeline, ctx, list(REQUESTS), fields)
     state = pipeline.pipe.transformer._tilecast_sequence_parallel
     splits = {name: (split.true_len, split.local_len) for name, split in state.splits.items()}
-    return {"outputs": outputs, "kernel_queries": calls, "layer_queries": queries, "splits": splits,
-            "heads": pipeline.pipe.transformer.config.get("num_attention_heads") or
-            pipeline.pipe.transformer.config.get("n_heads")}
+    return {
+        "outputs": outputs,
+        "kernel_queries": calls,
+        "layer_queries": queries,
+        "splits": splits,
+        "heads": pipeline.pipe.transformer.config.get("num_attention_heads")
+        or pipeline.pipe.transformer.config.get("n_heads"),
+    }
 
 
 def _references(name: str, cache_dir, output_dir, fields) -> tuple[list[torch.Tensor], list, list]:
@@ -125,8 +138,12 @@ def _references(name: str, cache_dir, output_dir, fields) -> tuple[list[torch.Te
         pipeline = _pipeline_class(name).load(name, ctx)
         queries = []
         first = next(m for m in pipeline.pipe.transformer.modules() if hasattr(m, "set_processor"))
-        first.register_forward_pre_hook(lambda module, args, kwargs: queries.append(
-            (kwargs.get("hidden_states", args[0] if args else None)).shape[1]), with_kwargs=True)
+        first.register_forward_pre_hook(
+            lambda module, args, kwargs: queries.append(
+                (kwargs.get("hidden_states", args[0] if args else None)).shape[1]
+            ),
+            with_kwargs=True,
+        )
         outputs = [_generate(pipeline, ctx, [request], fields)[0] for request in REQUESTS]
     return outputs, calls, queries
 
@@ -146,14 +163,26 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
     _pipeline_class(name).checkpoint.ensure(tiny_cache)  # built once, here, before the ranks start
     references, ref_calls, ref_queries = _reference(name, tiny_cache, tmp_path_factory, fields)
     world = ulysses * ring
-    results = run_ranks(_sp_ranks, world, name, ulysses, ring, str(tiny_cache), tmp_path_factory.mktemp("sp"),
-                        fields, settings, timeout=500 if settings else 150)
+    results = run_ranks(
+        _sp_ranks,
+        world,
+        name,
+        ulysses,
+        ring,
+        str(tiny_cache),
+        tmp_path_factory.mktemp("sp"),
+        fields,
+        settings,
+        timeout=500 if settings else 150,
+    )
     errors = []
     for rank, result in enumerate(results):
         for i, (got, want) in enumerate(zip(result["outputs"], references)):
             assert got.shape == want.shape, (rank, i, got.shape, want.shape)
             errors.append((got - want).abs().max().item())
-            assert errors[-1] <= SP_TOL, f"{name} ulysses={ulysses} ring={ring} rank {rank} request {i}: {errors[-1]:.3g}"
+            assert errors[-1] <= SP_TOL, (
+                f"{name} ulysses={ulysses} ring={ring} rank {rank} request {i}: {errors[-1]:.3g}"
+            )
         # The work really is split: the first attention layer gets ceil(S / N) of the S image tokens
         # it gets on one rank, and no attention kernel call gets more than 1/N of the (query tokens x
         # heads) of the largest one-rank call (Ulysses: every token, 1/U of the heads; Ring: 1/R of
@@ -209,7 +238,10 @@ def test_plan_paths_and_input_names_are_checked():
     from torch import nn
 
     from tilecast.runtime.models.families.sequence_parallel import (
-        _parameter_index, resolve_plan, stream_input, submodules,
+        _parameter_index,
+        resolve_plan,
+        stream_input,
+        submodules,
     )
 
     class Block(nn.Module):
@@ -230,5 +262,9 @@ def test_plan_paths_and_input_names_are_checked():
         _parameter_index(model.blocks[0], "hidden_states", "blocks.0")
     # every family's plan resolves, and its stream input is the image / token stream
     streams = {name: stream_input(resolve_plan(_pipeline_class(name).cp_plan)) for name in FAMILIES}
-    assert streams == {"tiny/flux": "hidden_states", "tiny/qwen-image": "hidden_states",
-                       "tiny/z-image-turbo": "x", "tiny/wan2.1-t2v": "hidden_states"}
+    assert streams == {
+        "tiny/flux": "hidden_states",
+        "tiny/qwen-image": "hidden_states",
+        "tiny/z-image-turbo": "x",
+        "tiny/wan2.1-t2v": "hidden_states",
+    }

@@ -23,8 +23,9 @@ COMMANDS = {
 
 def imported_modules(args: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run ``python -P -X importtime -m tilecast ARGS``; the result and the modules it imported."""
-    done = subprocess.run([sys.executable, "-P", "-X", "importtime", "-m", "tilecast", *args],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-P", "-X", "importtime", "-m", "tilecast", *args], capture_output=True, text=True, timeout=120
+    )
     modules = {match.group(1) for match in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", done.stderr, re.M)}
     return done, modules
 
@@ -40,6 +41,7 @@ def test_command_imports_no_torch(name):
 
 
 def test_version_prints_the_package_version():
-    done = subprocess.run([sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"tilecast {version('tilecast')}"

@@ -85,8 +85,18 @@ def test_flux_honours_backend_and_compile_and_refuses_the_rest():
 def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):
     from tilecast.launcher.bench.step import run_step_bench
 
-    rows = run_step_bench("tiny/flux", width=32, height=48, batch_sizes=[1, 3], device="cpu", dtype="float32",
-                          compile_blocks=False, attention_backend="sdpa_math", warmup=1, iters=2)
+    rows = run_step_bench(
+        "tiny/flux",
+        width=32,
+        height=48,
+        batch_sizes=[1, 3],
+        device="cpu",
+        dtype="float32",
+        compile_blocks=False,
+        attention_backend="sdpa_math",
+        warmup=1,
+        iters=2,
+    )
     assert [row["batch"] for row in rows] == [1, 3]
     for row in rows:
         assert row["diffusers_ms"] > 0 and row["tilecast_ms"] > 0 and row["tflop"] > 0
@@ -95,12 +105,15 @@ def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):
     assert rows[1]["tflop"] == pytest.approx(3 * rows[0]["tflop"], rel=0.05)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model-path", "tiny/qwen-image"], "times FLUX's transformer"),
-    (["--width", "50"], "multiples of 16"),
-    (["--batch-size", "0"], "positive integer"),
-    (["--dtype", "float64"], "--dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-path", "tiny/qwen-image"], "times FLUX's transformer"),
+        (["--width", "50"], "multiples of 16"),
+        (["--batch-size", "0"], "positive integer"),
+        (["--dtype", "float64"], "--dtype must be one of"),
+    ],
+)
 def test_bench_step_refuses_bad_options(args, message, tiny_cache):
     from typer.testing import CliRunner
 

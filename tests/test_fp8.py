@@ -89,14 +89,32 @@ def test_flux_fp8_quantizes_the_block_projections_and_keeps_the_step_close(tiny_
     reference, _ = _flux_step(None)
     out, transformer = _flux_step("fp8")
     quantized = sorted(name for name, m in transformer.named_modules() if isinstance(m, Fp8Linear))
-    assert quantized == sorted([
-        *(f"transformer_blocks.0.{n}" for n in ("attn.to_qkv", "attn.to_added_qkv", "attn.to_out.0", "attn.to_add_out",
-                                                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")),
-        *(f"single_transformer_blocks.0.{n}" for n in ("attn.to_qkv", "proj_mlp", "proj_out")),
-    ])
+    assert quantized == sorted(
+        [
+            *(
+                f"transformer_blocks.0.{n}"
+                for n in (
+                    "attn.to_qkv",
+                    "attn.to_added_qkv",
+                    "attn.to_out.0",
+                    "attn.to_add_out",
+                    "ff.net.0.proj",
+                    "ff.net.2",
+                    "ff_context.net.0.proj",
+                    "ff_context.net.2",
+                )
+            ),
+            *(f"single_transformer_blocks.0.{n}" for n in ("attn.to_qkv", "proj_mlp", "proj_out")),
+        ]
+    )
     kept = {name for name, m in transformer.named_modules() if type(m) is nn.Linear}
-    assert {"transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
-            "single_transformer_blocks.0.norm.linear", "x_embedder", "proj_out"} <= kept
+    assert {
+        "transformer_blocks.0.norm1.linear",
+        "transformer_blocks.0.norm1_context.linear",
+        "single_transformer_blocks.0.norm.linear",
+        "x_embedder",
+        "proj_out",
+    } <= kept
     assert not torch.equal(out, reference)
     assert psnr_db(out.float(), reference.float()) >= 45.0
 
@@ -120,15 +138,27 @@ def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 
     ctx = make_context(tmp_path, dtype="float32", quantize="fp8")
-    with pytest.raises(ValueError, match=r"--quantize fp8 \(its DiT is attention-bound.*\) is not supported by tiny/k6sr"):
+    with pytest.raises(
+        ValueError, match=r"--quantize fp8 \(its DiT is attention-bound.*\) is not supported by tiny/k6sr"
+    ):
         K6SRPipeline.load("tiny/k6sr", ctx)
 
 
 def test_bench_step_reports_the_fp8_difference(tiny_cache):
     from tilecast.launcher.bench.step import run_step_bench
 
-    (row,) = run_step_bench("tiny/flux", width=32, height=32, batch_sizes=[2], device="cpu", dtype="float32",
-                            compile_blocks=False, quantize="fp8", warmup=1, iters=1)
+    (row,) = run_step_bench(
+        "tiny/flux",
+        width=32,
+        height=32,
+        batch_sizes=[2],
+        device="cpu",
+        dtype="float32",
+        compile_blocks=False,
+        quantize="fp8",
+        warmup=1,
+        iters=1,
+    )
     assert 0 < row["max_rel_diff"] <= 0.05 and 45.0 <= row["psnr_db"] < float("inf")
 
 
@@ -140,9 +170,28 @@ def test_generate_passes_quantize_to_the_flux_pipeline(tiny_cache, tmp_path):
     for name, extra in (("plain", []), ("fp8", ["--quantize", "fp8"])):
         out = tmp_path / name
         done = subprocess.run(
-            [sys.executable, "-m", "tilecast", "generate", "--model-path", "tiny/flux", "--device", "cpu",
-             "--prompt", "a red boat", "--width", "32", "--height", "32", "--output-path", str(out), *extra],
-            capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "tilecast",
+                "generate",
+                "--model-path",
+                "tiny/flux",
+                "--device",
+                "cpu",
+                "--prompt",
+                "a red boat",
+                "--width",
+                "32",
+                "--height",
+                "32",
+                "--output-path",
+                str(out),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert done.returncode == 0, done.stdout + done.stderr
         images[name] = (out / "flux_seed42.png").read_bytes()

@@ -38,9 +38,27 @@ def _audio(path) -> np.ndarray:
 
 def _generate(video, out, *topology) -> tuple:
     command = [
-        sys.executable, "-m", "tilecast", "generate", "--model-path", "tiny/k6sr", "--device", "cpu",
-        "--video-path", str(video), "--sr-resolution-scale", "2", "--num-inference-steps", "2", "--seed", "42",
-        "--save-output", "--output-path", str(out), "--save-frames", *topology,
+        sys.executable,
+        "-m",
+        "tilecast",
+        "generate",
+        "--model-path",
+        "tiny/k6sr",
+        "--device",
+        "cpu",
+        "--video-path",
+        str(video),
+        "--sr-resolution-scale",
+        "2",
+        "--num-inference-steps",
+        "2",
+        "--seed",
+        "42",
+        "--save-output",
+        "--output-path",
+        str(out),
+        "--save-frames",
+        *topology,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr

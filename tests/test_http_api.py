@@ -25,11 +25,10 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness import ServerProcess
+from tests.media import write_test_video
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.http_server import HttpFrontEnd
-
-from tests.media import write_test_video
-from tests.harness import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,9 +53,22 @@ def server(media, tmp_path_factory):
     """A 2-rank CPU server with the HTTP front end; yields its base URL."""
     out_dir = tmp_path_factory.mktemp("outputs")
     proc = ServerProcess(
-        "--model-path", "tiny/k6sr", "--num-gpus", "2", "--device", "cpu", "--http-port", "0",
-        "--allowed-video-dir", str(media), "--max-upload-mb", "1", "--output-dir", str(out_dir),
-        "--max-queued-upload-mb", f"{QUEUED_UPLOADS * (media / 'clip.mp4').stat().st_size / 2**20:.6f}",
+        "--model-path",
+        "tiny/k6sr",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--http-port",
+        "0",
+        "--allowed-video-dir",
+        str(media),
+        "--max-upload-mb",
+        "1",
+        "--output-dir",
+        str(out_dir),
+        "--max-queued-upload-mb",
+        f"{QUEUED_UPLOADS * (media / 'clip.mp4').stat().st_size / 2**20:.6f}",
         ready_timeout=240.0,
     )
     try:
@@ -96,8 +108,12 @@ def wait_terminal(http: httpx.Client, job_id: str, timeout: float = JOB_TIMEOUT_
 def describe_mp4(path: Path) -> dict:
     with av.open(str(path)) as container:
         video, audio = container.streams.video, container.streams.audio
-        info = {"width": video[0].width, "height": video[0].height, "codec": video[0].codec_context.name,
-                "audio": audio[0].codec_context.name if audio else None}
+        info = {
+            "width": video[0].width,
+            "height": video[0].height,
+            "codec": video[0].codec_context.name,
+            "audio": audio[0].codec_context.name if audio else None,
+        }
         info["num_frames"] = sum(1 for _ in container.decode(video=0))
     return info
 
@@ -160,14 +176,24 @@ def uploaded_job(server, media) -> dict:
     """The reference's curl command (curl itself when installed), polled to completion."""
     clip = media / "clip.mp4"
     if shutil.which("curl"):
-        command = ["curl", "-sS", "--fail-with-body", f"{server.url}/v1/videos",
-                   "-F", f"video_reference=@{clip};type=video/mp4"]
+        command = [
+            "curl",
+            "-sS",
+            "--fail-with-body",
+            f"{server.url}/v1/videos",
+            "-F",
+            f"video_reference=@{clip};type=video/mp4",
+        ]
         for key, value in SR_FIELDS.items():
             command += ["-F", f"{key}={value}"]
         created = json.loads(subprocess.run(command, check=True, capture_output=True, timeout=60).stdout)
     else:
-        response = httpx.post(f"{server.url}/v1/videos", data=SR_FIELDS,
-                              files={"video_reference": ("input.mp4", clip.read_bytes(), "video/mp4")}, timeout=60)
+        response = httpx.post(
+            f"{server.url}/v1/videos",
+            data=SR_FIELDS,
+            files={"video_reference": ("input.mp4", clip.read_bytes(), "video/mp4")},
+            timeout=60,
+        )
         assert response.status_code == 200, response.text
         created = response.json()
     with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -195,8 +221,10 @@ def test_upload_poll_download_gives_playable_mp4_with_audio(http, uploaded_job, 
 
 
 def test_json_video_path_inside_and_outside_the_allowed_dir(http, media, tmp_path):
-    response = http.post("/v1/videos", json={"video_path": str(media / "clip.mp4"), "sr_resolution_scale": 2,
-                                             "seed": 3, "model": "tiny/k6sr"})
+    response = http.post(
+        "/v1/videos",
+        json={"video_path": str(media / "clip.mp4"), "sr_resolution_scale": 2, "seed": 3, "model": "tiny/k6sr"},
+    )
     assert response.status_code == 200, response.text
     job = wait_terminal(http, response.json()["id"])
     assert job["status"] == "completed", job
@@ -257,11 +285,14 @@ def test_declared_oversize_body_gets_413_before_any_body_is_sent(server):
 def test_streamed_oversize_body_gets_413_while_streaming(server):
     """No Content-Length (chunked): the body is counted as it arrives and refused past 1 MiB."""
     port = int(server.url.rsplit(":", 1)[1])
-    preamble = (b'--B\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n'
-                b"Content-Type: video/mp4\r\n\r\n")
+    preamble = (
+        b'--B\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n'
+        b"Content-Type: video/mp4\r\n\r\n"
+    )
     chunks = [preamble] + [b"\0" * 65536] * 24  # 1.5 MiB, never terminated: the server must not wait for the end
-    reply = raw_post(port, {"Content-Type": "multipart/form-data; boundary=B", "Transfer-Encoding": "chunked"},
-                     chunks, chunked=True)
+    reply = raw_post(
+        port, {"Content-Type": "multipart/form-data; boundary=B", "Transfer-Encoding": "chunked"}, chunks, chunked=True
+    )
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]  # the message names the limit and its flag
     assert error["code"] == "payload_too_large" and "1 MiB (--max-upload-mb)" in error["message"], error
@@ -273,36 +304,42 @@ def test_content_types(http):
     response = http.post("/v1/videos", data=SR_FIELDS, files={"video_reference": ("a.txt", b"hello", "text/plain")})
     assert response.status_code == 415 and response.json()["error"]["param"] == "video_reference"
     # application/octet-stream (curl's default for -F f=@x.mp4) is accepted and the bytes are probed:
-    response = http.post("/v1/videos", data=SR_FIELDS,
-                         files={"video_reference": ("a.mp4", b"not a video", "application/octet-stream")})
+    response = http.post(
+        "/v1/videos", data=SR_FIELDS, files={"video_reference": ("a.mp4", b"not a video", "application/octet-stream")}
+    )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     response = http.post("/v1/images/generations", json={"prompt": "a cat"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "wrong_task"
 
 
 def test_unknown_ids_are_404(http):
-    for method, path in (("GET", "/v1/videos/job_000000000000000000000000"),
-                         ("GET", "/v1/videos/job_000000000000000000000000/content"),
-                         ("DELETE", "/v1/videos/job_000000000000000000000000")):
+    for method, path in (
+        ("GET", "/v1/videos/job_000000000000000000000000"),
+        ("GET", "/v1/videos/job_000000000000000000000000/content"),
+        ("DELETE", "/v1/videos/job_000000000000000000000000"),
+    ):
         response = http.request(method, path)
         assert response.status_code == 404, (method, path, response.text)
         assert response.json()["error"]["code"] == "not_found"
     assert http.get("/v1/nothing").status_code == 404
 
 
-@pytest.mark.parametrize("kind, fields, param", [
-    ("form", {"seed": "abc"}, "seed"),
-    ("form", {"sr_resolution_scale": "two"}, "sr_resolution_scale"),
-    ("form", {"sr_resolution_scale": "3"}, "sr_resolution_scale"),  # a type-correct value the pipeline refuses
-    ("form", {"colour": "red"}, "colour"),
-    ("form", {"video": "/etc/passwd"}, "video"),  # never read as a server-side upload path
-    ("json", {"video_path": "x", "seed": "42"}, "seed"),  # JSON values keep their types
-    ("json", {"video_path": "x", "num_inference_steps": 1.5}, "num_inference_steps"),
-    ("json", {"video_path": "x", "model": "other/model"}, "model"),
-    ("json", {"video_path": "x", "output_file_name": "a" * 300}, "output_file_name"),  # refused before any compute
-    ("form", {"output_file_name": "out put.mp4"}, "output_file_name"),
-    ("json", {"video_path": "x", "seed": 2**64}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kind, fields, param",
+    [
+        ("form", {"seed": "abc"}, "seed"),
+        ("form", {"sr_resolution_scale": "two"}, "sr_resolution_scale"),
+        ("form", {"sr_resolution_scale": "3"}, "sr_resolution_scale"),  # a type-correct value the pipeline refuses
+        ("form", {"colour": "red"}, "colour"),
+        ("form", {"video": "/etc/passwd"}, "video"),  # never read as a server-side upload path
+        ("json", {"video_path": "x", "seed": "42"}, "seed"),  # JSON values keep their types
+        ("json", {"video_path": "x", "num_inference_steps": 1.5}, "num_inference_steps"),
+        ("json", {"video_path": "x", "model": "other/model"}, "model"),
+        ("json", {"video_path": "x", "output_file_name": "a" * 300}, "output_file_name"),  # refused before any compute
+        ("form", {"output_file_name": "out put.mp4"}, "output_file_name"),
+        ("json", {"video_path": "x", "seed": 2**64}, "seed"),
+    ],
+)
 def test_malformed_fields_are_400_naming_the_field(http, media, kind, fields, param):
     if kind == "form":
         files = {"video_reference": ("a.mp4", (media / "clip.mp4").read_bytes(), "video/mp4")}
@@ -326,15 +363,19 @@ def test_queued_uploads_have_a_total_cap_answered_with_503_and_retry_after(http,
     """While a long job holds the ranks, two uploaded clips may wait; the third is refused (503,
     Retry-After, counted) rather than held in memory; once one leaves the queue, uploads are taken again."""
     long_clip = write_test_video(media / "long.mp4", 64, 64, 33, 24)
-    running = http.post("/v1/videos", json={"video_path": str(long_clip), "sr_resolution_scale": 4,
-                                            "num_inference_steps": 8}).json()  # a server-side file: no upload bytes
+    running = http.post(
+        "/v1/videos", json={"video_path": str(long_clip), "sr_resolution_scale": 4, "num_inference_steps": 8}
+    ).json()  # a server-side file: no upload bytes
     deadline = time.monotonic() + 60
     while http.get(f"/v1/videos/{running['id']}").json()["status"] == "queued":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     clip = (media / "clip.mp4").read_bytes()
-    upload = lambda seed: http.post("/v1/videos", data={**SR_FIELDS, "seed": str(seed)},  # noqa: E731
-                                    files={"video_reference": ("in.mp4", clip, "video/mp4")})
+    upload = lambda seed: http.post(
+        "/v1/videos",
+        data={**SR_FIELDS, "seed": str(seed)},  # noqa: E731
+        files={"video_reference": ("in.mp4", clip, "video/mp4")},
+    )
     before = metric_values(http.get("/metrics").text)
     waiting = [upload(seed) for seed in (1, 2)]
     assert [r.status_code for r in waiting] == [200, 200] and [r.json()["status"] for r in waiting] == ["queued"] * 2
@@ -377,8 +418,7 @@ def test_metrics_parse_and_move_with_traffic(http, uploaded_job):
     http.get("/health")
     after = metric_values(http.get("/metrics").text)
 
-    key = ("tilecast_http_requests_total",
-           (("method", "GET"), ("route", "/v1/videos/{video_id}"), ("status", "404")))
+    key = ("tilecast_http_requests_total", (("method", "GET"), ("route", "/v1/videos/{video_id}"), ("status", "404")))
     assert after[key] - before.get(key, 0.0) == 3
     health = ("tilecast_http_requests_total", (("method", "GET"), ("route", "/health"), ("status", "200")))
     assert after[health] - before.get(health, 0.0) == 1
@@ -407,8 +447,9 @@ class FakeScheduler(threading.Thread):
                 identity, *frames = self.sock.recv_multipart()
                 msg, _ = P.decode(frames, allowed=P.REQUEST_TYPES)
                 if isinstance(msg, P.HealthRequest):
-                    reply = P.HealthReply(req_id=msg.req_id, status="dead", world_size=2, model="fake",
-                                          detail="rank 1 (pid 4242) died")
+                    reply = P.HealthReply(
+                        req_id=msg.req_id, status="dead", world_size=2, model="fake", detail="rank 1 (pid 4242) died"
+                    )
                 else:
                     reply = P.StatsReply(req_id=msg.req_id, stats={"status": "dead", "world_size": 2})
                 self.sock.send_multipart([identity, *P.encode(reply)])
@@ -453,11 +494,25 @@ def test_images_generations_batches_n_requests_with_consecutive_seeds(tmp_path):
     from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
 
-    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, http_port=0, output_dir=tmp_path,
-                         batching_mode="dynamic", batching_max_size=4, batching_delay_ms=200)
+    config = ServeConfig(
+        model_path="tiny/flux",
+        device="cpu",
+        port=0,
+        http_port=0,
+        output_dir=tmp_path,
+        batching_mode="dynamic",
+        batching_max_size=4,
+        batching_delay_ms=200,
+    )
     with InProcessServer(config) as srv, httpx.Client(base_url=srv.http_url, timeout=120) as http:
-        request = {"prompt": "a red square", "n": 2, "size": "64x64", "seed": 7, "num_inference_steps": 2,
-                   "response_format": "b64_json"}
+        request = {
+            "prompt": "a red square",
+            "n": 2,
+            "size": "64x64",
+            "seed": 7,
+            "num_inference_steps": 2,
+            "response_format": "b64_json",
+        }
         response = http.post("/v1/images/generations", json=request)
         assert response.status_code == 200, response.text
         body = response.json()

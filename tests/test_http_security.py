@@ -29,11 +29,10 @@ import httpx
 import openai
 import pytest
 
-from tilecast.client import Client, ServerError
-from tilecast.scheduler.http_api import MAX_JSON_BYTES
-
 from tests.harness import ServerProcess
 from tests.test_http_api import metric_values
+from tilecast.client import Client, ServerError
+from tilecast.scheduler.http_api import MAX_JSON_BYTES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,8 +55,18 @@ def server(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TILECAST_API_KEY", API_KEY)  # what ServerProcess's readiness client presents
         proc = ServerProcess(
-            "--model-path", "tiny/flux", "--num-gpus", "1", "--device", "cpu", "--api-key", API_KEY,
-            "--output-dir", str(tmp_path_factory.mktemp("outputs")), http=True, ready_timeout=240.0,
+            "--model-path",
+            "tiny/flux",
+            "--num-gpus",
+            "1",
+            "--device",
+            "cpu",
+            "--api-key",
+            API_KEY,
+            "--output-dir",
+            str(tmp_path_factory.mktemp("outputs")),
+            http=True,
+            ready_timeout=240.0,
         )
         try:
             proc.url = proc.http_url
@@ -103,8 +112,10 @@ def raw_request(url: str, head: str, chunks=(), *, chunked: bool = False) -> tup
 
 def post_head(length: int | None, *, key: str = API_KEY) -> str:
     size = f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
-    return (f"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {key}\r\n{size}")
+    return (
+        f"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\n{size}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +123,13 @@ def post_head(length: int | None, *, key: str = API_KEY) -> str:
 # ---------------------------------------------------------------------------------------------
 def test_openai_sdk_api_key_works_unchanged_and_a_wrong_key_is_refused(server):
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    result = sdk.images.generate(prompt="a red square", n=2, size="64x64", response_format="b64_json",
-                                 extra_body={"num_inference_steps": 2, "seed": 11})
+    result = sdk.images.generate(
+        prompt="a red square",
+        n=2,
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 11},
+    )
     images = [base64.b64decode(item.b64_json) for item in result.data]
     assert len(images) == 2 and all(image.startswith(b"\x89PNG\r\n\x1a\n") for image in images)
     assert [model.id for model in sdk.models.list()] == ["tiny/flux"]
@@ -129,11 +145,22 @@ def test_openai_sdk_api_key_works_unchanged_and_a_wrong_key_is_refused(server):
 
 def test_every_route_but_health_needs_the_key_and_refusals_are_counted(server, http):
     before = metric_values(http.get("/metrics").text)
-    routes = [("GET", "/v1/models"), ("GET", "/v1/videos"), ("GET", "/v1/videos/job_000000000000000000000000"),
-              ("DELETE", "/v1/videos/job_000000000000000000000000"), ("GET", "/metrics"),
-              ("POST", "/v1/images/generations"), ("POST", "/v1/videos"), ("GET", "/v1/nothing")]
-    headers_tried = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEY}"},
-                     {"Authorization": API_KEY}]
+    routes = [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/videos"),
+        ("GET", "/v1/videos/job_000000000000000000000000"),
+        ("DELETE", "/v1/videos/job_000000000000000000000000"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/images/generations"),
+        ("POST", "/v1/videos"),
+        ("GET", "/v1/nothing"),
+    ]
+    headers_tried = [
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": API_KEY},
+    ]
     with httpx.Client(base_url=server.url, timeout=30) as stranger:
         for method, path in routes:
             for headers in headers_tried:
@@ -151,10 +178,20 @@ def test_every_route_but_health_needs_the_key_and_refusals_are_counted(server, h
     refused = len(routes) * len(headers_tried)
     key = ("tilecast_http_unauthorized_total", ())
     assert after[key] - before.get(key, 0.0) == refused
-    status_401 = sum(v for (name, labels), v in after.items()
-                     if name == "tilecast_http_requests_total" and ("status", "401") in labels)
-    assert status_401 - sum(v for (name, labels), v in before.items()
-                            if name == "tilecast_http_requests_total" and ("status", "401") in labels) == refused
+    status_401 = sum(
+        v
+        for (name, labels), v in after.items()
+        if name == "tilecast_http_requests_total" and ("status", "401") in labels
+    )
+    assert (
+        status_401
+        - sum(
+            v
+            for (name, labels), v in before.items()
+            if name == "tilecast_http_requests_total" and ("status", "401") in labels
+        )
+        == refused
+    )
     # The scheduler's own refusals (ZeroMQ handshakes without the key, shutdowns, oversize messages,
     # the queued-upload cap) are in the same exposition.
     reasons = {dict(labels)["reason"] for name, labels in after if name == "tilecast_refused_total"}
@@ -215,14 +252,17 @@ def test_large_json_bodies_do_not_grow_rank_zero_memory(server, http):
 # ---------------------------------------------------------------------------------------------
 # 5. Values that overflow
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "seed": 2**64}, "seed"),
-    ({"prompt": "x", "seed": 2**64 - 2, "n": 3}, "seed"),  # seeds seed..seed+n-1: the last one is 2**64
-    ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "size": None, "width": 2**70}, "width"),
-    ({"prompt": "x", "num_inference_steps": -(2**70)}, "num_inference_steps"),
-    ({"prompt": "x", "output_file_name": "a" * 300}, "output_file_name"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "seed": 2**64 - 2, "n": 3}, "seed"),  # seeds seed..seed+n-1: the last one is 2**64
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "size": None, "width": 2**70}, "width"),
+        ({"prompt": "x", "num_inference_steps": -(2**70)}, "num_inference_steps"),
+        ({"prompt": "x", "output_file_name": "a" * 300}, "output_file_name"),
+    ],
+)
 def test_overflowing_values_are_400_over_http(http, body, param):
     response = http.post("/v1/images/generations", json={**IMAGE, **body})
     assert response.status_code == 400, response.text
@@ -230,13 +270,19 @@ def test_overflowing_values_are_400_over_http(http, body, param):
     assert error["param"] == param and param in error["message"], error
 
 
-@pytest.mark.parametrize("raw, param, words", [
-    (b'{"prompt": "\\ud800", "size": "64x64"}', "prompt", "surrogate"),  # a lone surrogate is not Unicode
-    (b'{"prompt": "x", "negative_prompt": "a\\udfffb", "guidance_scale": 3.0, "size": "64x64"}', "negative_prompt",
-     "surrogate"),
-    (b'{"prompt": "x", "guidance_scale": 1e400, "size": "64x64"}', "guidance_scale", "0..100"),  # inf
-    (b'{"prompt": "x", "guidance_scale": NaN, "size": "64x64"}', None, "NaN"),  # not JSON
-])
+@pytest.mark.parametrize(
+    "raw, param, words",
+    [
+        (b'{"prompt": "\\ud800", "size": "64x64"}', "prompt", "surrogate"),  # a lone surrogate is not Unicode
+        (
+            b'{"prompt": "x", "negative_prompt": "a\\udfffb", "guidance_scale": 3.0, "size": "64x64"}',
+            "negative_prompt",
+            "surrogate",
+        ),
+        (b'{"prompt": "x", "guidance_scale": 1e400, "size": "64x64"}', "guidance_scale", "0..100"),  # inf
+        (b'{"prompt": "x", "guidance_scale": NaN, "size": "64x64"}', None, "NaN"),  # not JSON
+    ],
+)
 def test_lone_surrogates_and_non_finite_numbers_are_400(http, raw, param, words):
     response = http.post("/v1/images/generations", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
@@ -257,8 +303,11 @@ def test_overflowing_values_over_zeromq_are_bad_request_and_the_extremes_work(se
     largest = http.post("/v1/images/generations", json={**IMAGE, "prompt": "x", "seed": 2**64 - 2, "n": 2})
     assert largest.status_code == 200 and len(largest.json()["data"]) == 2
     values = metric_values(http.get("/metrics").text)
-    errors = {labels: v for (name, labels), v in values.items()
-              if name == "tilecast_http_requests_total" and ("status", "500") in labels}
+    errors = {
+        labels: v
+        for (name, labels), v in values.items()
+        if name == "tilecast_http_requests_total" and ("status", "500") in labels
+    }
     assert not errors, errors
 
 
@@ -275,13 +324,22 @@ def test_disconnected_clients_jobs_are_cancelled(server, http):
     seconds, none left queued or running (each would take seconds: 500 steps)."""
     with Client(server.endpoint, timeout=30) as client:
         before = job_counts(client)
-        request = {"prompt": "a long one", "n": 10, "size": "64x64", "num_inference_steps": 500,
-                   "response_format": "b64_json"}
+        request = {
+            "prompt": "a long one",
+            "n": 10,
+            "size": "64x64",
+            "num_inference_steps": 500,
+            "response_format": "b64_json",
+        }
 
         def abort(index: int) -> None:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{server.url}/v1/images/generations", json={**request, "seed": 100 * index},
-                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=httpx.Timeout(30, read=0.5))
+                httpx.post(
+                    f"{server.url}/v1/images/generations",
+                    json={**request, "seed": 100 * index},
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                    timeout=httpx.Timeout(30, read=0.5),
+                )
 
         threads = [threading.Thread(target=abort, args=(i,)) for i in range(4)]
         for thread in threads:

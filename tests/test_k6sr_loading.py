@@ -24,17 +24,27 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of a checkpoint but the cache's completion marker (``write_tiny_k6sr`` alone writes none)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".tilecast-complete"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".tilecast-complete"
+    }
 
 
 def test_tiny_checkpoint_is_byte_identical(tiny_dir, tmp_path):
     again = write_tiny_k6sr(tmp_path / "again")
     first, second = _files(tiny_dir), _files(again)
     assert sorted(first) == sorted(second)
-    assert {"model_index.json", "transformer/config.json", f"transformer/{WEIGHTS}", "vae/config.json",
-            f"vae/{WEIGHTS}", "latent_upscaler/config.json", f"latent_upscaler/{WEIGHTS}",
-            "scheduler/scheduler_config.json"} <= set(first)
+    assert {
+        "model_index.json",
+        "transformer/config.json",
+        f"transformer/{WEIGHTS}",
+        "vae/config.json",
+        f"vae/{WEIGHTS}",
+        "latent_upscaler/config.json",
+        f"latent_upscaler/{WEIGHTS}",
+        "scheduler/scheduler_config.json",
+    } <= set(first)
     for name in first:
         assert first[name] == second[name], name
     index = json.loads(first["model_index.json"])

@@ -118,7 +118,6 @@ def test_tile_batch_changes_the_output_but_stays_deterministic(ours):
 @pytest.mark.parametrize("backend", ["sdpa_math", "chunked_math"])
 def test_other_attention_backends_match_diffusers(ours, reference, backend):
     from tilecast.kernels.backends import available_backends
-
     from tilecast.runtime.models.k6sr.attention import dense_processors
 
     if backend not in available_backends():

@@ -46,15 +46,18 @@ def submit(pipe: K6SRPipeline, out_dir: Path, params: SRParams, uploads=None, pr
 def describe_mp4(path: Path) -> dict:
     with av.open(str(path)) as container:
         video = container.streams.video[0]
-        info = {"width": video.width, "height": video.height, "codec": video.codec_context.name,
-                "audio": None}
+        info = {"width": video.width, "height": video.height, "codec": video.codec_context.name, "audio": None}
         info["num_frames"] = sum(1 for _ in container.decode(video))
     with av.open(str(path)) as container:
         if container.streams.audio:
             stream = container.streams.audio[0]
             samples = sum(frame.samples for frame in container.decode(stream))
-            info["audio"] = {"codec": stream.codec_context.name, "rate": stream.sample_rate,
-                             "channels": stream.layout.nb_channels, "samples": samples}
+            info["audio"] = {
+                "codec": stream.codec_context.name,
+                "rate": stream.sample_rate,
+                "channels": stream.layout.nb_channels,
+                "samples": samples,
+            }
     return info
 
 
@@ -65,8 +68,12 @@ def describe_mp4(path: Path) -> dict:
 def test_scales_give_sized_mp4_with_mono_44k_audio(pipe, media_dir, tmp_path, scale, size, num_frames, expected):
     src = write_test_video(media_dir / f"clip_{scale}.mp4", *size, num_frames, 24, audio=True, stereo=True)
     progress = []
-    out = submit(pipe, tmp_path, SRParams(video_path=str(src), sr_resolution_scale=scale),
-                 progress=lambda done, total: progress.append((done, total)))
+    out = submit(
+        pipe,
+        tmp_path,
+        SRParams(video_path=str(src), sr_resolution_scale=scale),
+        progress=lambda done, total: progress.append((done, total)),
+    )
 
     assert [f.name for f in out.files] == [f"clip_{scale}_srx{scale:g}_seed42.mp4"]
     assert out.files[0].mime == "video/mp4" and out.files[0].path.parent == tmp_path / "job"  # a folder per job
@@ -119,8 +126,13 @@ def test_target_resolution_only_downscales(pipe, media_dir, tmp_path, target, mo
     src = media_dir / "target.mp4"
     if not src.exists():
         write_test_video(src, 96, 64, 1, 24)
-    params = SRParams(video_path=str(src), sr_resolution_scale=2, sr_target_resolution=target,
-                      sr_target_resize_mode=mode, output_file_name="custom.mp4")
+    params = SRParams(
+        video_path=str(src),
+        sr_resolution_scale=2,
+        sr_target_resolution=target,
+        sr_target_resize_mode=mode,
+        output_file_name="custom.mp4",
+    )
     out = submit(pipe, tmp_path, params)
     assert out.files[0].name == "custom.mp4" and out.files[0].path == tmp_path / "job" / "custom.mp4"
     mp4 = describe_mp4(out.files[0].path)
@@ -178,8 +190,12 @@ def test_30fps_150_frame_source_end_to_end(pipe, media_dir, tmp_path):
 
 
 def test_bfloat16_runs(tmp_path_factory, media_dir, tmp_path):
-    ctx = make_context(tmp_path, cache_dir=str(tmp_path_factory.mktemp("cache16")), dtype="bfloat16",
-                   allowed_video_dirs=[str(media_dir)])
+    ctx = make_context(
+        tmp_path,
+        cache_dir=str(tmp_path_factory.mktemp("cache16")),
+        dtype="bfloat16",
+        allowed_video_dirs=[str(media_dir)],
+    )
     pipeline = K6SRPipeline.load("tiny/k6sr", ctx)
     assert pipeline.parts.dtype == torch.bfloat16
     src = write_test_video(media_dir / "bf16.mp4", 32, 32, 1, 24)

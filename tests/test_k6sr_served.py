@@ -14,8 +14,13 @@ from tilecast.runtime.inproc import InProcessServer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     allowed = tmp_path_factory.mktemp("allowed")
-    config = ServeConfig(model_path="tiny/k6sr", device="cpu", port=0, output_dir=tmp_path_factory.mktemp("out"),
-                         allowed_video_dirs=(allowed,))
+    config = ServeConfig(
+        model_path="tiny/k6sr",
+        device="cpu",
+        port=0,
+        output_dir=tmp_path_factory.mktemp("out"),
+        allowed_video_dirs=(allowed,),
+    )
     with InProcessServer(config) as srv:
         yield srv, allowed
 

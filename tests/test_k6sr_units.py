@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from tilecast.runtime.models.k6sr import params as P
 from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
+from tilecast.runtime.models.k6sr import params as P
 from tilecast.runtime.models.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
 from tilecast.runtime.models.k6sr.video_io import MAX_FRAMES, select_frames
 
@@ -202,7 +202,12 @@ def test_install_dense_attention_replaces_every_layer():
     from tilecast.runtime.models.k6sr.attention import K6SRDenseAttnProcessor, dense_processors, install_dense_attention
 
     model = Kandinsky6SRTransformer3DModel(
-        in_visual_dim=4, out_visual_dim=40, time_dim=8, model_dim=32, ff_dim=32, num_visual_blocks=3,
+        in_visual_dim=4,
+        out_visual_dim=40,
+        time_dim=8,
+        model_dim=32,
+        ff_dim=32,
+        num_visual_blocks=3,
         axes_dims=(4, 6, 6),
     )
     assert install_dense_attention(model, backend="torch_sdpa") == 3

@@ -26,8 +26,19 @@ from tilecast.launcher.torchrun import with_parent_death_signal
 from tilecast.runtime.synthetic import write_test_video
 
 GENERATE = [
-    "generate", "--model-path", "tiny/k6sr", "--device", "cpu", "--sr-resolution-scale", "2",
-    "--num-inference-steps", "2", "--seed", "42", "--save-output", "--save-frames",
+    "generate",
+    "--model-path",
+    "tiny/k6sr",
+    "--device",
+    "cpu",
+    "--sr-resolution-scale",
+    "2",
+    "--num-inference-steps",
+    "2",
+    "--seed",
+    "42",
+    "--save-output",
+    "--save-frames",
 ]
 TIMEOUT_S = 240
 
@@ -39,8 +50,16 @@ def _frames(out) -> tuple:
 
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TILECAST_LAUNCHER_PID", "TILECAST_RUN_DIR"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TILECAST_LAUNCHER_PID",
+        "TILECAST_RUN_DIR",
+    ):
         env.pop(key, None)
     return env
 
@@ -70,7 +89,11 @@ def single_rank(clip, tmp_path_factory):
     out = tmp_path_factory.mktemp("r1")
     done = subprocess.run(
         [sys.executable, "-m", "tilecast", *GENERATE, "--video-path", str(clip), "--output-path", str(out)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=out, env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=out,
+        env=_env(),
     )  # also builds the tiny checkpoint, which ranks under torchrun only verify
     assert done.returncode == 0, done.stdout + done.stderr
     return _frames(out)
@@ -90,15 +113,43 @@ def test_generate_on_two_nodes_matches_one_rank(clip, single_rank, tmp_path):
             log = open(tmp_path / f"node{node}.log", "w+")
             logs.append(log)
             torchrun = [
-                "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "multinode",
-                "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", "--max-restarts", "0",
-                "-m", "tilecast", *GENERATE, "--video-path", str(clip), "--output-path", str(out), *topology,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{store.port}",
+                "--rdzv-id",
+                "multinode",
+                "--rdzv-conf",
+                "is_host=false",
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "0",
+                "-m",
+                "tilecast",
+                *GENERATE,
+                "--video-path",
+                str(clip),
+                "--output-path",
+                str(out),
+                *topology,
             ]
-            procs.append(subprocess.Popen(
-                with_parent_death_signal(torchrun), stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                cwd=tmp_path, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    with_parent_death_signal(torchrun),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
+                    cwd=tmp_path,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):

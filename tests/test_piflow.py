@@ -29,11 +29,14 @@ def _inputs(scheduler, dtype, seed: int = 0, leading=(2, 3, 4, 5)):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_steps,config", [
-    (2, {}),
-    (1, {}),
-    (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}),
-])
+@pytest.mark.parametrize(
+    "num_steps,config",
+    [
+        (2, {}),
+        (1, {}),
+        (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}),
+    ],
+)
 def test_reference_is_diffusers_step_bit_for_bit(dtype, num_steps, config):
     scheduler = _scheduler(num_steps, **config)
     schedule = stages.piflow_schedule(scheduler, num_steps)

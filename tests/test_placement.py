@@ -95,7 +95,9 @@ def host_ptrs(streamer: LayerStreamer) -> dict[int, int]:
 
 def at_rest(streamer: LayerStreamer) -> bool:
     """Every streamed weight points at its host copy and no group is on the device."""
-    return not streamer.onloaded() and all(t.data_ptr() == host.data_ptr() for g in streamer.groups for t, host in g.slots)
+    return not streamer.onloaded() and all(
+        t.data_ptr() == host.data_ptr() for g in streamer.groups for t, host in g.slots
+    )
 
 
 # ----------------------------------------------------------------------------- layerwise, whole clip
@@ -114,8 +116,12 @@ LAYERWISE_CASES = [
 
 @pytest.mark.parametrize("components, prefetch, resident", LAYERWISE_CASES)
 def test_layerwise_offload_matches_resident(cache, reference, components, prefetch, resident):
-    ctx = make_ctx(cache, layerwise_offload_components=components, dit_offload_prefetch_size=prefetch,
-                   dit_layerwise_resident_layers=resident)
+    ctx = make_ctx(
+        cache,
+        layerwise_offload_components=components,
+        dit_offload_prefetch_size=prefetch,
+        dit_layerwise_resident_layers=resident,
+    )
     pipe = K6SRPipeline.load("tiny/k6sr", ctx)
     applied = pipe.placement
     transformer = pipe.parts.transformer
@@ -161,6 +167,7 @@ def test_layerwise_offload_matches_resident(cache, reference, components, prefet
 
 # ----------------------------------------------------------------------------- prefetch depth
 
+
 class _Root(nn.Module):
     def __init__(self, num_blocks: int) -> None:
         super().__init__()
@@ -196,6 +203,7 @@ def test_prefetch_keeps_the_next_blocks_on_device_and_no_more(prefetch):
 
 # ----------------------------------------------------------------------------- component offload
 
+
 @pytest.mark.parametrize("components", ["all", "vae latent_upscaler", "transformer"])
 def test_component_offload_matches_resident(cache, reference, components):
     pipe = K6SRPipeline.load("tiny/k6sr", make_ctx(cache, cpu_offload_components=components))
@@ -223,8 +231,12 @@ def test_component_offload_matches_resident(cache, reference, components):
 
 
 def test_mixed_component_and_layerwise_offload(cache, reference):
-    ctx = make_ctx(cache, cpu_offload_components="vae", layerwise_offload_components="transformer,latent_upscaler",
-                   dit_offload_prefetch_size=2)
+    ctx = make_ctx(
+        cache,
+        cpu_offload_components="vae",
+        layerwise_offload_components="transformer,latent_upscaler",
+        dit_offload_prefetch_size=2,
+    )
     pipe = K6SRPipeline.load("tiny/k6sr", ctx)
     assert list(pipe.placement.offloads) == ["vae"]
     assert "transformer" in pipe.placement.streamers and "vae.encoder" not in pipe.placement.streamers
@@ -245,6 +257,7 @@ def test_on_device_is_reentrant_and_a_no_op_without_offload(cache):
 
 # ----------------------------------------------------------------------------- FSDP
 
+
 def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
     import torch.distributed as dist
 
@@ -258,9 +271,18 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
         groups = topology.groups(topology.build_mesh("cpu"))
 
     def load(**settings) -> K6SRPipeline:
-        ctx = make_context(Path(cache) / "out", rank=rank, world_size=world_size, cpu_group=dist.group.WORLD,
-                           device_group=dist.group.WORLD, groups=groups, cache_dir=cache, ulysses_degree=ulysses,
-                           vae={"fast_decode": False}, **settings)
+        ctx = make_context(
+            Path(cache) / "out",
+            rank=rank,
+            world_size=world_size,
+            cpu_group=dist.group.WORLD,
+            device_group=dist.group.WORLD,
+            groups=groups,
+            cache_dir=cache,
+            ulysses_degree=ulysses,
+            vae={"fast_decode": False},
+            **settings,
+        )
         return K6SRPipeline.load("tiny/k6sr", ctx)
 
     resident = load()
@@ -271,11 +293,18 @@ def _fsdp_rank(rank: int, world_size: int, cache: str, ulysses: int) -> dict:
     again = upscale(pipe, frames)
     # What FSDP guarantees: its all-gather is a copy, so every gathered DiT weight is the resident one.
     resident_weights = dict(resident.parts.transformer.named_parameters())
-    inexact = [name for name, param in pipe.parts.transformer.named_parameters()
-               if not torch.equal(param.full_tensor(), resident_weights[name])]
+    inexact = [
+        name
+        for name, param in pipe.parts.transformer.named_parameters()
+        if not torch.equal(param.full_tensor(), resident_weights[name])
+    ]
     return {
-        "replicated": replicated, "sharded": sharded, "again": again, "inexact_weights": inexact,
-        "local_rows": tuple(weight.to_local().shape), "full_rows": tuple(weight.shape),
+        "replicated": replicated,
+        "sharded": sharded,
+        "again": again,
+        "inexact_weights": inexact,
+        "local_rows": tuple(weight.to_local().shape),
+        "full_rows": tuple(weight.shape),
     }
 
 
@@ -309,20 +338,31 @@ def test_fsdp_on_one_rank_is_refused(cache):
 
 # ----------------------------------------------------------------------------- invalid combinations
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(layerwise_offload_components="transformer", cpu_offload_components="all"),
-     "transformer cannot be in both --layerwise-offload-components and --cpu-offload-components"),
-    (dict(dit_offload_prefetch_size=5), "--dit-offload-prefetch-size must be an integer from 1 to 4, got 5"),
-    (dict(dit_offload_prefetch_size=0), "--dit-offload-prefetch-size must be an integer from 1 to 4, got 0"),
-    (dict(dit_layerwise_resident_layers=9), "--dit-layerwise-resident-layers must be an integer from 0 to 8, got 9"),
-    (dict(dit_layerwise_resident_layers=-1), "--dit-layerwise-resident-layers must be an integer from 0 to 8"),
-    (dict(layerwise_offload_components="dit"), "--layerwise-offload-components 'dit': unknown 'dit'"),
-    (dict(cpu_offload_components="vae vae"), "--cpu-offload-components 'vae vae': a component is repeated"),
-    (dict(cpu_offload_components="all vae"), "unknown 'all'"),
-    (dict(use_fsdp_inference=True, layerwise_offload_components="all"),
-     "--use-fsdp-inference true shards the DiT across the ranks; it cannot also be offloaded"),
-    (dict(use_fsdp_inference=True, cpu_offload_components="transformer"), "cannot also be offloaded"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(layerwise_offload_components="transformer", cpu_offload_components="all"),
+            "transformer cannot be in both --layerwise-offload-components and --cpu-offload-components",
+        ),
+        (dict(dit_offload_prefetch_size=5), "--dit-offload-prefetch-size must be an integer from 1 to 4, got 5"),
+        (dict(dit_offload_prefetch_size=0), "--dit-offload-prefetch-size must be an integer from 1 to 4, got 0"),
+        (
+            dict(dit_layerwise_resident_layers=9),
+            "--dit-layerwise-resident-layers must be an integer from 0 to 8, got 9",
+        ),
+        (dict(dit_layerwise_resident_layers=-1), "--dit-layerwise-resident-layers must be an integer from 0 to 8"),
+        (dict(layerwise_offload_components="dit"), "--layerwise-offload-components 'dit': unknown 'dit'"),
+        (dict(cpu_offload_components="vae vae"), "--cpu-offload-components 'vae vae': a component is repeated"),
+        (dict(cpu_offload_components="all vae"), "unknown 'all'"),
+        (
+            dict(use_fsdp_inference=True, layerwise_offload_components="all"),
+            "--use-fsdp-inference true shards the DiT across the ranks; it cannot also be offloaded",
+        ),
+        (dict(use_fsdp_inference=True, cpu_offload_components="transformer"), "cannot also be offloaded"),
+    ],
+)
 def test_invalid_placements_name_the_flag(kwargs, message):
     from tilecast.runtime.config import ServeConfig
 
@@ -339,30 +379,47 @@ def test_fsdp_topology_rules():
         ServeConfig(device="cpu", num_gpus=2, tp_size=2, use_fsdp_inference=True)
     with pytest.raises(ValueError, match="tile-parallel denoising over 2 units"):
         ServeConfig(device="cpu", num_gpus=4, ulysses_degree=2, tile_parallel=True, use_fsdp_inference=True)
-    config = ServeConfig(device="cpu", num_gpus=2, ulysses_degree=2, use_fsdp_inference=True,
-                         layerwise_offload_components="vae, latent_upscaler")
+    config = ServeConfig(
+        device="cpu",
+        num_gpus=2,
+        ulysses_degree=2,
+        use_fsdp_inference=True,
+        layerwise_offload_components="vae, latent_upscaler",
+    )
     assert config.placement.picker_name == "fsdp"
     assert config.layerwise_offload_components == "vae latent_upscaler"
-    assert ServeConfig(device="cpu", layerwise_offload_components="latent_upscaler transformer vae").layerwise_offload_components == "all"
+    assert (
+        ServeConfig(
+            device="cpu", layerwise_offload_components="latent_upscaler transformer vae"
+        ).layerwise_offload_components
+        == "all"
+    )
 
 
 def test_dit_settings_without_streaming_the_dit_are_refused(cache, caplog):
     from tilecast.runtime.config import ServeConfig
 
-    for flag, fields in (("--dit-offload-prefetch-size 2", dict(dit_offload_prefetch_size=2)),
-                         ("--dit-layerwise-resident-layers 3", dict(dit_layerwise_resident_layers=3))):
-        with pytest.raises(ValueError, match=f"{flag} applies only when --layerwise-offload-components includes the"
-                                             " transformer \\(it streams vae\\)"):
+    for flag, fields in (
+        ("--dit-offload-prefetch-size 2", dict(dit_offload_prefetch_size=2)),
+        ("--dit-layerwise-resident-layers 3", dict(dit_layerwise_resident_layers=3)),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"{flag} applies only when --layerwise-offload-components includes the"
+            " transformer \\(it streams vae\\)",
+        ):
             ServeConfig(device="cpu", layerwise_offload_components="vae", **fields)
         with pytest.raises(ValueError, match=f"{flag} applies only when"):
             PlacementConfig(**fields)
     with caplog.at_level(logging.WARNING, logger="tilecast.runtime.placement"):
-        K6SRPipeline.load("tiny/k6sr", make_ctx(cache, layerwise_offload_components="transformer",
-                                                dit_layerwise_resident_layers=8))
+        K6SRPipeline.load(
+            "tiny/k6sr", make_ctx(cache, layerwise_offload_components="transformer", dit_layerwise_resident_layers=8)
+        )
     assert "keeps all 2 DiT blocks resident" in caplog.text
 
 
 # ----------------------------------------------------------------------------- CLI
+
 
 @pytest.fixture
 def no_ranks(monkeypatch):
@@ -376,14 +433,21 @@ def no_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-@pytest.mark.parametrize("args, message", [
-    (["--use-fsdp-inference", "true", "--num-gpus", "1"], "FSDP requires multiple GPUs"),
-    (["--use-fsdp-inference", "maybe"], "--use-fsdp-inference takes true or false"),
-    (["--layerwise-offload-components", "transformer vae", "--cpu-offload-components", "vae"],
-     "vae cannot be in both"),
-    (["--layerwise-offload-components", "all", "--dit-offload-prefetch-size", "5"],
-     "--dit-offload-prefetch-size must be an integer from 1 to 4"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--use-fsdp-inference", "true", "--num-gpus", "1"], "FSDP requires multiple GPUs"),
+        (["--use-fsdp-inference", "maybe"], "--use-fsdp-inference takes true or false"),
+        (
+            ["--layerwise-offload-components", "transformer vae", "--cpu-offload-components", "vae"],
+            "vae cannot be in both",
+        ),
+        (
+            ["--layerwise-offload-components", "all", "--dit-offload-prefetch-size", "5"],
+            "--dit-offload-prefetch-size must be an integer from 1 to 4",
+        ),
+    ],
+)
 def test_cli_refuses_before_starting_ranks(cache, monkeypatch, no_ranks, command, args, message):
     from typer.testing import CliRunner
 

@@ -35,8 +35,9 @@ def test_ring_with_an_explicit_backend_passes(started, backend):
 
 
 def test_sixteen_ranks_over_two_nodes_pass_under_torchrun(started, monkeypatch):
-    for key, value in dict(RANK="0", WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT="1").items():
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
         monkeypatch.setenv(key, value)
     result = _invoke("--num-gpus", "16", "--ulysses-degree", "4", "--ring-degree", "4")
     assert result.exit_code == 0, result.output

@@ -18,13 +18,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tilecast.client import AsyncClient, Client, JobFailedError, ServerDeadError, read_ready_file
 from tests.harness import ServerProcess, processes_with, rank_pid
+from tilecast.client import AsyncClient, Client, JobFailedError, ServerDeadError, read_ready_file
 
 
 def _serve(tmp_path, num_gpus: int, *extra: str, **kwargs) -> ServerProcess:
-    return ServerProcess("--model-path", "test/allreduce", "--num-gpus", str(num_gpus), "--device", "cpu",
-                         "--output-dir", str(tmp_path), "--heartbeat-timeout-s", "5", *extra, **kwargs)
+    return ServerProcess(
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        str(num_gpus),
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path),
+        "--heartbeat-timeout-s",
+        "5",
+        *extra,
+        **kwargs,
+    )
 
 
 def _wait_running(client: Client, job_id: str, timeout: float = 20.0) -> None:
@@ -40,6 +52,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 # -- item 6: ports the OS picks, reported by the ready file and the ready line ---------------------
+
 
 def test_read_ready_file_waits_for_a_live_server_and_ignores_a_stale_file(tmp_path):
     path = tmp_path / "ready.json"
@@ -89,6 +102,7 @@ def test_port_0_binds_os_picked_ports_reported_in_the_ready_file_and_line(tmp_pa
 
 # -- item 7: no orphans -------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(90)
 def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path):
     server = _serve(tmp_path, 2)
@@ -103,6 +117,7 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path):
 
 
 # -- item 9: a one-rank server stops cleanly on SIGTERM and SIGINT -------------------------------
+
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -149,6 +164,7 @@ def test_one_rank_server_stops_cleanly_on_a_signal(tmp_path, signum):
 
 
 # -- item 10: rank 0 dies -> ServerDeadError for waiting clients ---------------------------------
+
 
 @pytest.mark.timeout(90)
 def test_rank_0_death_gives_waiting_clients_server_dead_error(tmp_path):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.media import write_test_video
 from tests.harness import ServerProcess
+from tests.media import write_test_video
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
@@ -29,8 +29,20 @@ BATCHING = dict(batching_mode="dynamic", batching_max_size=4, batching_delay_ms=
 def torchrun_probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("out2")
     server = ServerProcess(
-        "--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu", "--output-dir", str(out),
-        "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "400",
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "4",
+        "--batching-delay-ms",
+        "400",
     )
     try:
         yield server, out
@@ -137,8 +149,10 @@ def test_cancel_inside_a_batch_discards_only_that_output_and_all_cancelled_stops
         assert dropped_info.state == "cancelled" and "stopped" not in dropped_info.error, dropped_info
         assert files_of(out, dropped) == [] and len(files_of(out, kept)) == 1
 
-        first, second = client.submit(seed=3, steps=400, size=2, sleep_s=0.05), client.submit(seed=4, steps=400,
-                                                                                                size=2, sleep_s=0.05)
+        first, second = (
+            client.submit(seed=3, steps=400, size=2, sleep_s=0.05),
+            client.submit(seed=4, steps=400, size=2, sleep_s=0.05),
+        )
         wait_running(client, first)
         assert client.status(second).state == "running"
         client.cancel(first)
@@ -215,8 +229,19 @@ def test_k6sr_two_ranks_progress_and_cancel(tmp_path, layout):
     request is served."""
     video = write_test_video(tmp_path / "clip.mp4", 96, 96, 9, 24.0)  # four tiles at x2
     out = tmp_path / "out"
-    server = ServerProcess("--model-path", "tiny/k6sr", "--num-gpus", "2", "--device", "cpu", "--output-dir",
-                           str(out), "--allowed-video-dir", str(tmp_path), *layout)
+    server = ServerProcess(
+        "--model-path",
+        "tiny/k6sr",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--allowed-video-dir",
+        str(tmp_path),
+        *layout,
+    )
     try:
         with server.client() as client:
             request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=40)

@@ -19,7 +19,9 @@ from tilecast.scheduler import protocol as P
 @pytest.mark.parametrize(
     "msg",
     [
-        P.SubmitRequest(req_id=7, params={"prompt": "a cat", "width": 64, "scale": 2.25, "tags": [1, 2]}, uploads=["video"]),
+        P.SubmitRequest(
+            req_id=7, params={"prompt": "a cat", "width": 64, "scale": 2.25, "tags": [1, 2]}, uploads=["video"]
+        ),
         P.StatusRequest(req_id=1, job_id="job_x"),
         P.ResultRequest(req_id=2, job_id="job_y", wait=False, as_paths=True),
         P.CancelRequest(req_id=3, job_id="job_z"),
@@ -27,8 +29,12 @@ from tilecast.scheduler import protocol as P
         P.StatsRequest(req_id=5),
         P.ShutdownRequest(req_id=6),
         P.JobInfo(req_id=1, job_id="j", state="failed", error="boom", progress=0.5, queue_position=3),
-        P.ResultReply(req_id=1, job=P.JobInfo(req_id=1, job_id="j", state="completed"),
-                      outputs=[P.OutputMeta(name="a.mp4", kind="file", mime="video/mp4", size=3)], info={"w": 1}),
+        P.ResultReply(
+            req_id=1,
+            job=P.JobInfo(req_id=1, job_id="j", state="completed"),
+            outputs=[P.OutputMeta(name="a.mp4", kind="file", mime="video/mp4", size=3)],
+            info={"w": 1},
+        ),
         P.HealthReply(req_id=1, status="serving", world_size=2, model="m"),
         P.StatsReply(req_id=1, stats={"jobs": {"queued": 1}}),
         P.ErrorReply(req_id=1, code="overloaded", message="full"),
@@ -64,7 +70,9 @@ def test_plan_round_trips_with_uploads():
 )
 def test_tensor_frames_round_trip(tensor):
     meta, data = P.tensor_to_frame("t", tensor)
-    frames = P.encode(P.ResultReply(req_id=1, job=P.JobInfo(req_id=1, job_id="j", state="completed"), outputs=[meta]), data)
+    frames = P.encode(
+        P.ResultReply(req_id=1, job=P.JobInfo(req_id=1, job_id="j", state="completed"), outputs=[meta]), data
+    )
     reply, payloads = P.decode([bytes(f) for f in frames])
     back = P.frame_to_tensor(reply.outputs[0], payloads[0])
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
@@ -109,8 +117,7 @@ MALFORMED = [
 
 @pytest.fixture
 def small_server(tmp_path):
-    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path,
-                         max_message_mb=0.01)
+    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path, max_message_mb=0.01)
     with InProcessServer(config) as server:
         yield server
 
@@ -178,12 +185,15 @@ def socket_that_sends(context, endpoint, frames):
     return sock
 
 
-@pytest.mark.parametrize("fields, named", [
-    (dict(seed=2**64), "seed = 18446744073709551616 does not fit in 64 bits"),
-    (dict(seed=-(2**63) - 1), "seed = -9223372036854775809 does not fit in 64 bits"),
-    (dict(prompt="a \ud800 cat"), "prompt is not valid UTF-8 text"),
-    (dict(extra={"tags": ["ok", "\udfff"]}), "extra.tags[1] is not valid UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(seed=2**64), "seed = 18446744073709551616 does not fit in 64 bits"),
+        (dict(seed=-(2**63) - 1), "seed = -9223372036854775809 does not fit in 64 bits"),
+        (dict(prompt="a \ud800 cat"), "prompt is not valid UTF-8 text"),
+        (dict(extra={"tags": ["ok", "\udfff"]}), "extra.tags[1] is not valid UTF-8 text"),
+    ],
+)
 def test_client_names_a_field_the_wire_cannot_carry(fields, named):
     """Both clients refuse before sending (no server at this endpoint: nothing is sent)."""
     import asyncio

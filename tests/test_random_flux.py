@@ -27,16 +27,39 @@ def test_released_configs_are_flux1_dev():
     assert transformer["num_attention_heads"] * transformer["attention_head_dim"] == 3072
     assert (transformer["joint_attention_dim"], transformer["pooled_projection_dim"]) == (4096, 768)
     assert transformer["guidance_embeds"] and tuple(transformer["axes_dims_rope"]) == (16, 56, 56)
-    assert (clip["hidden_size"], clip["num_hidden_layers"], clip["num_attention_heads"], clip["intermediate_size"],
-            clip["projection_dim"], clip["max_position_embeddings"]) == (768, 12, 12, 3072, 768, 77)
-    assert (t5["d_model"], t5["d_kv"], t5["d_ff"], t5["num_layers"], t5["num_heads"], t5["feed_forward_proj"],
-            t5["relative_attention_num_buckets"]) == (4096, 64, 10240, 24, 64, "gated-gelu", 32)
+    assert (
+        clip["hidden_size"],
+        clip["num_hidden_layers"],
+        clip["num_attention_heads"],
+        clip["intermediate_size"],
+        clip["projection_dim"],
+        clip["max_position_embeddings"],
+    ) == (768, 12, 12, 3072, 768, 77)
+    assert (
+        t5["d_model"],
+        t5["d_kv"],
+        t5["d_ff"],
+        t5["num_layers"],
+        t5["num_heads"],
+        t5["feed_forward_proj"],
+        t5["relative_attention_num_buckets"],
+    ) == (4096, 64, 10240, 24, 64, "gated-gelu", 32)
     vae = RELEASED_CONFIGS["vae"]
     assert vae["latent_channels"] == 16 and tuple(vae["block_out_channels"]) == (128, 256, 512, 512)
     assert (vae["scaling_factor"], vae["shift_factor"], vae["use_quant_conv"], vae["use_post_quant_conv"]) == (
-        0.3611, 0.1159, False, False)
-    assert RELEASED_CONFIGS["scheduler"] == dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                 base_image_seq_len=256, max_image_seq_len=4096)
+        0.3611,
+        0.1159,
+        False,
+        False,
+    )
+    assert RELEASED_CONFIGS["scheduler"] == dict(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
     assert flux_configs() == RELEASED_CONFIGS
     with pytest.raises(ValueError, match="unknown FLUX component"):
         flux_configs({"unet": {}})
@@ -45,8 +68,10 @@ def test_released_configs_are_flux1_dev():
 @pytest.mark.timeout(120)
 def test_default_build_has_the_released_sizes_in_the_requested_dtype():
     pipe = released.build_random_flux("meta", torch.bfloat16)  # shapes only: no memory, no init cost
-    billions = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e9
-                for name in ("transformer", "text_encoder", "text_encoder_2", "vae")}
+    billions = {
+        name: sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e9
+        for name in ("transformer", "text_encoder", "text_encoder_2", "vae")
+    }
     assert 11.8 < billions["transformer"] < 12.0, billions
     assert 4.5 < billions["text_encoder_2"] < 4.8, billions
     assert 0.08 < billions["text_encoder"] < 0.13 and 0.08 < billions["vae"] < 0.09, billions
@@ -65,8 +90,9 @@ def test_routes_as_a_builtin_without_a_directory():
 @pytest.mark.timeout(120)
 def test_loads_in_the_requested_dtype_and_serves_a_request(monkeypatch, tmp_path):
     """The load path (registry -> load -> build_diffusers -> build_random_flux), scaled down for CPU."""
-    monkeypatch.setattr(released, "build_random_flux",
-                        functools.partial(released.build_random_flux, overrides=TINY_OVERRIDES))
+    monkeypatch.setattr(
+        released, "build_random_flux", functools.partial(released.build_random_flux, overrides=TINY_OVERRIDES)
+    )
     ctx = make_context(tmp_path, dtype="bfloat16")
     pipe = resolve_pipeline("random/flux").load("random/flux", ctx)
     assert pipe.dtype == torch.bfloat16 and pipe.pipe.text_encoder_2.dtype == torch.bfloat16

@@ -48,10 +48,14 @@ SAMPLES = {  # a valid value other than the default, and the flags it needs besi
     "vae.fast_decode": ({"vae": {"fast_decode": False}}, "--vae-config.fast-decode false"),
     "layerwise_offload_components": ({"layerwise_offload_components": "vae"}, "--layerwise-offload-components vae"),
     "cpu_offload_components": ({"cpu_offload_components": "vae"}, "--cpu-offload-components vae"),
-    "dit_offload_prefetch_size": ({"dit_offload_prefetch_size": 2, "layerwise_offload_components": "all"},
-                                  "--dit-offload-prefetch-size 2"),
-    "dit_layerwise_resident_layers": ({"dit_layerwise_resident_layers": 1, "layerwise_offload_components": "all"},
-                                      "--dit-layerwise-resident-layers 1"),
+    "dit_offload_prefetch_size": (
+        {"dit_offload_prefetch_size": 2, "layerwise_offload_components": "all"},
+        "--dit-offload-prefetch-size 2",
+    ),
+    "dit_layerwise_resident_layers": (
+        {"dit_layerwise_resident_layers": 1, "layerwise_offload_components": "all"},
+        "--dit-layerwise-resident-layers 1",
+    ),
     "use_fsdp_inference": ({"use_fsdp_inference": True, "num_gpus": 2}, "--use-fsdp-inference"),
     "attention_backend": ({"attention_backend": "sdpa_math"}, "--attention-backend sdpa_math"),
     "compile": ({"compile": True}, "--compile"),
@@ -74,8 +78,12 @@ def test_every_pipeline_setting_has_a_sample():
 
 
 def _cases(honoured: bool):
-    return [(model, name) for model, pipeline in PIPELINES.items() for name, (fields, _) in SAMPLES.items()
-            if fields is not None and _honours(pipeline, name) == honoured]
+    return [
+        (model, name)
+        for model, pipeline in PIPELINES.items()
+        for name, (fields, _) in SAMPLES.items()
+        if fields is not None and _honours(pipeline, name) == honoured
+    ]
 
 
 @pytest.mark.parametrize(("model", "name"), _cases(honoured=False))
@@ -105,8 +113,10 @@ def test_the_refusal_lists_every_unsupported_setting_and_the_reasons():
     with pytest.raises(ValueError) as info:
         K6SRPipeline.check_settings(config, "tiny/k6sr")
     message = str(info.value)
-    assert message.startswith("--quantize fp8 (its DiT is attention-bound, so its linear layers run in --dtype); "
-                              "--cuda-graphs (one DiT call is seconds of GPU work")
+    assert message.startswith(
+        "--quantize fp8 (its DiT is attention-bound, so its linear layers run in --dtype); "
+        "--cuda-graphs (one DiT call is seconds of GPU work"
+    )
     assert "are not supported by tiny/k6sr (k6sr honours: --dtype, --tp-size" in message
 
 
@@ -134,10 +144,36 @@ def test_generate_stops_at_start_up_on_every_rank_naming_the_flag(tiny_cache, tm
     """Two gloo ranks of ``tilecast generate``: each rank refuses the setting, the command fails."""
     env = {**os.environ, "TILECAST_CACHE": str(tiny_cache)}
     result = subprocess.run(
-        [sys.executable, "-P", "-m", "tilecast", "generate", "--model-path", "tiny/flux", "--device", "cpu",
-         "--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1", "--tile-parallel", "--prompt", "x",
-         "--width", "32", "--height", "32", "--output-path", str(tmp_path)],
-        capture_output=True, text=True, timeout=200, env=env,
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "tilecast",
+            "generate",
+            "--model-path",
+            "tiny/flux",
+            "--device",
+            "cpu",
+            "--num-gpus",
+            "2",
+            "--ulysses-degree",
+            "1",
+            "--ring-degree",
+            "1",
+            "--tile-parallel",
+            "--prompt",
+            "x",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--output-path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
     )
     text = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, text
@@ -148,6 +184,7 @@ def test_generate_stops_at_start_up_on_every_rank_naming_the_flag(tiny_cache, tm
 
 # ----------------------------------------------------------------------------- the code itself
 
+
 def _sources(*folders: str) -> list[Path]:
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
 
@@ -156,9 +193,17 @@ def _warnings_saying_ignored(path: Path) -> list[int]:
     """Lines of ``logger.warning(...)`` / ``warnings.warn(...)`` calls whose message says "ignored"."""
     lines = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("warning", "warn"):
-            texts = [c.value for arg in node.args for c in ast.walk(arg)
-                     if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("warning", "warn")
+        ):
+            texts = [
+                c.value
+                for arg in node.args
+                for c in ast.walk(arg)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            ]
             if any(re.search(r"\b(is|are) ignored\b", text) for text in texts):
                 lines.append(node.lineno)
     return lines
@@ -167,11 +212,17 @@ def _warnings_saying_ignored(path: Path) -> list[int]:
 def test_no_setting_is_warned_about_as_ignored():
     """The refuse policy has no "X is ignored" warning left in tilecast's code, nor the helpers that
     listed ignored settings."""
-    hits = [f"{p.relative_to(ROOT)}:{n}" for p in _sources("runtime", "scheduler", "launcher", "kernels")
-            for n in _warnings_saying_ignored(p)]
-    hits += [f"{p.relative_to(ROOT)}:{n}" for p in _sources("runtime", "scheduler", "launcher", "kernels")
-             for n, line in enumerate(p.read_text().splitlines(), 1)
-             if re.search(r"\b(ignored_settings|honoured_options|pipeline_options)\b", line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in _sources("runtime", "scheduler", "launcher", "kernels")
+        for n in _warnings_saying_ignored(p)
+    ]
+    hits += [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in _sources("runtime", "scheduler", "launcher", "kernels")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\b(ignored_settings|honoured_options|pipeline_options)\b", line)
+    ]
     assert hits == []
 
 
@@ -188,8 +239,11 @@ def _imports(path: Path) -> set[str]:
 
 def test_runtime_and_kernels_import_no_terminal_ui():
     """typer and rich belong to ``launcher/`` (the CLI, the progress bar of ``generate``)."""
-    offenders = [f"{p.relative_to(ROOT)}: {', '.join(sorted(_imports(p) & {'typer', 'rich', 'click'}))}"
-                 for p in _sources("runtime", "kernels") if _imports(p) & {"typer", "rich", "click"}]
+    offenders = [
+        f"{p.relative_to(ROOT)}: {', '.join(sorted(_imports(p) & {'typer', 'rich', 'click'}))}"
+        for p in _sources("runtime", "kernels")
+        if _imports(p) & {"typer", "rich", "click"}
+    ]
     assert offenders == []
     assert {"rich"} <= _imports(ROOT / "launcher" / "generate.py")
 

@@ -56,8 +56,13 @@ def test_store_bounds_count_and_age_and_deletes_only_inside_its_root(tmp_path):
 
     outside = tmp_path / "elsewhere.txt"
     outside.write_text("keep me")
-    stray = SimpleNamespace(id="job_x", state="completed", finished_at=now[0], expired=None,
-                            output=Output(files=[OutputFile(name="e", path=outside, mime="text/plain")]))
+    stray = SimpleNamespace(
+        id="job_x",
+        state="completed",
+        finished_at=now[0],
+        expired=None,
+        output=Output(files=[OutputFile(name="e", path=outside, mime="text/plain")]),
+    )
     store.add(stray)
     store.remove(stray, "deleted")
     assert outside.read_text() == "keep me" and stray.expired == "deleted"
@@ -86,8 +91,7 @@ def test_thirty_jobs_keep_at_most_five_outputs_and_an_evicted_result_is_gone(tmp
 
 @pytest.mark.timeout(120)
 def test_outputs_expire_after_the_retention_time(tmp_path):
-    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path,
-                         output_retention_s=1.0)
+    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path, output_retention_s=1.0)
     with InProcessServer(config) as srv, Client(srv.endpoint) as client:
         job = client.generate(size=2, timeout=30).job.job_id
         assert len(entries(tmp_path)) == 1
@@ -112,8 +116,10 @@ def flux(tmp_path_factory, tiny_cache):
 def test_family_job_folders_stay_bounded_and_delete_removes_them(flux):
     srv, out = flux
     with Client(srv.endpoint) as client:
-        jobs = [client.generate(prompt=f"p{i}", width=32, height=32, num_inference_steps=1, timeout=60).job.job_id
-                for i in range(8)]
+        jobs = [
+            client.generate(prompt=f"p{i}", width=32, height=32, num_inference_steps=1, timeout=60).job.job_id
+            for i in range(8)
+        ]
         folders = entries(out)
         assert [p.name for p in folders] == sorted(jobs[-3:]) and all(p.is_dir() for p in folders)
 
@@ -139,8 +145,18 @@ def test_family_job_folders_stay_bounded_and_delete_removes_them(flux):
 @pytest.mark.timeout(120)
 def test_two_ranks_cli_flags_bound_the_outputs(tmp_path):
     server = ServerProcess(
-        "--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu", "--output-dir", str(tmp_path),
-        "--max-stored-outputs", "3", "--output-retention-s", "600",
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path),
+        "--max-stored-outputs",
+        "3",
+        "--output-retention-s",
+        "600",
     )
     try:
         with server.client() as client:

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
+from tests.harness import ServerProcess
 from tilecast.client import AsyncClient, Client, JobFailedError, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
 from tilecast.runtime.probe import AllReducePipeline, ProbeParams
-from tests.harness import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,17 @@ def probe_log_dir(tmp_path_factory):
 def torchrun_server(tmp_path_factory, probe_log_dir):
     out = tmp_path_factory.mktemp("out")
     server = ServerProcess(
-        "--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu", "--output-dir", str(out),
-        "--max-queued-requests", "64", env={"TILECAST_PROBE_LOG_DIR": str(probe_log_dir)},
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--max-queued-requests",
+        "64",
+        env={"TILECAST_PROBE_LOG_DIR": str(probe_log_dir)},
     )
     try:
         yield server
@@ -105,8 +114,9 @@ def test_async_client(server):
 
 
 def _read_rank_logs(log_dir, world):
-    return [[json.loads(line) for line in (log_dir / f"rank{rank}.log").read_text().splitlines()]
-            for rank in range(world)]
+    return [
+        [json.loads(line) for line in (log_dir / f"rank{rank}.log").read_text().splitlines()] for rank in range(world)
+    ]
 
 
 @pytest.mark.timeout(180)
@@ -158,8 +168,7 @@ def test_cancelled_queued_job_never_runs(torchrun_server, probe_log_dir):
 
 @pytest.mark.timeout(60)
 def test_queue_overflow_is_rejected_at_once(tmp_path):
-    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path,
-                         max_queued_requests=2)
+    config = ServeConfig(model_path="test/allreduce", device="cpu", port=0, output_dir=tmp_path, max_queued_requests=2)
     with InProcessServer(config) as srv, Client(srv.endpoint) as client:
         running = client.submit(size=1, steps=10, sleep_s=0.2)
         deadline = time.monotonic() + 10

@@ -16,9 +16,13 @@ from tilecast.runtime.settings import SERVE_ONLY_SECTIONS, declared
 
 FIELDS = declared(ServeConfig)
 CONTEXT = {  # flags a sample value needs besides its own
-    "tp_size": ["--num-gpus", "2"], "ulysses_degree": ["--num-gpus", "2"], "ring_degree": ["--num-gpus", "2"],
-    "host": ["--allow-unauthenticated"], "model_path": ["--tp-size", "1"],
-    "batching_max_size": ["--batching-mode", "dynamic"], "batching_config": ["--batching-mode", "dynamic"],
+    "tp_size": ["--num-gpus", "2"],
+    "ulysses_degree": ["--num-gpus", "2"],
+    "ring_degree": ["--num-gpus", "2"],
+    "host": ["--allow-unauthenticated"],
+    "model_path": ["--tp-size", "1"],
+    "batching_max_size": ["--batching-mode", "dynamic"],
+    "batching_config": ["--batching-mode", "dynamic"],
     "dit_offload_prefetch_size": ["--layerwise-offload-components", "transformer"],
     "dit_layerwise_resident_layers": ["--layerwise-offload-components", "transformer"],
 }
@@ -40,8 +44,12 @@ def captured(monkeypatch):
 
 def _sample(item, tmp_path: Path):
     """A valid value other than the default, from the declaration (a few need a real file)."""
-    special = {"batching_config": tmp_path / "rules.json", "layerwise_offload_components": "vae",
-               "cpu_offload_components": "vae", "allowed_video_dirs": (tmp_path,)}
+    special = {
+        "batching_config": tmp_path / "rules.json",
+        "layerwise_offload_components": "vae",
+        "cpu_offload_components": "vae",
+        "allowed_video_dirs": (tmp_path,),
+    }
     if item.name in special:
         return special[item.name]
     facts, default = item.setting, item.default
@@ -111,21 +119,25 @@ def test_every_field_reaches_the_config_from_a_flag_and_from_the_file(item, capt
 
 def test_flags_override_the_config_file(captured, tmp_path):
     file = tmp_path / "serve.toml"
-    file.write_text('port = 4000\n[batching]\nbatching_mode = "dynamic"\nbatching_max_size = 4\n'
-                    '[vae]\nuse_parallel_tiling = true\n')
+    file.write_text(
+        'port = 4000\n[batching]\nbatching_mode = "dynamic"\nbatching_max_size = 4\n[vae]\nuse_parallel_tiling = true\n'
+    )
     assert _invoke("--config", str(file), "--port", "5000", "--vae-config.use-parallel-tiling", "false").exit_code == 0
     config = captured[-1]
     assert (config.port, config.batching_mode, config.batching_max_size) == (5000, "dynamic", 4)
     assert config.vae.use_parallel_tiling is False
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--vae-config.use-parallel-tiling"], True),
-    (["--vae-config.use-parallel-tiling", "true"], True),
-    (["--vae-config.use-parallel-tiling", "false"], False),
-    (["--vae-config.use-parallel-tiling=no"], False),
-    (["--vae-config.use-parallel-tiling", "--port", "0"], True),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--vae-config.use-parallel-tiling"], True),
+        (["--vae-config.use-parallel-tiling", "true"], True),
+        (["--vae-config.use-parallel-tiling", "false"], False),
+        (["--vae-config.use-parallel-tiling=no"], False),
+        (["--vae-config.use-parallel-tiling", "--port", "0"], True),
+    ],
+)
 def test_booleans_work_bare_and_with_true_or_false(captured, args, expected):
     assert _invoke(*args).exit_code == 0
     assert captured[-1].vae.use_parallel_tiling is expected

@@ -87,8 +87,9 @@ def client_thread(server: ServerProcess, out: Path, index: int, tally: Tally) ->
         for i in range(REQUESTS_PER_THREAD):
             if i % 50 == 49:
                 send_malformed(server.endpoint, MALFORMED[(index + i) % len(MALFORMED)], tally)
-            job_id = client.submit(prompt=f"soak {index} {i}", width=32, height=32, num_inference_steps=1,
-                                   seed=index * 10_000 + i)
+            job_id = client.submit(
+                prompt=f"soak {index} {i}", width=32, height=32, num_inference_steps=1, seed=index * 10_000 + i
+            )
             cancel = rng.random() < 0.1
             if cancel:
                 client.cancel(job_id)
@@ -110,8 +111,22 @@ def client_thread(server: ServerProcess, out: Path, index: int, tally: Tally) ->
 @pytest.mark.timeout(900)
 def test_soak_two_ranks_nothing_lost_memory_and_folders_bounded(tmp_path, tiny_cache):
     out = tmp_path / "out"
-    args = ["--model-path", "tiny/flux", "--num-gpus", "2", "--device", "cpu", "--output-dir", str(out),
-            "--batching-mode", "dynamic", "--batching-max-size", "8", "--max-stored-outputs", str(MAX_STORED)]
+    args = [
+        "--model-path",
+        "tiny/flux",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "8",
+        "--max-stored-outputs",
+        str(MAX_STORED),
+    ]
     with ServerProcess(*args, env={"TILECAST_CACHE": str(tiny_cache)}) as server:
         with server.client() as client:  # warm-up: allocator pools, kernels, the first batch shapes
             for i in range(40):
@@ -131,9 +146,11 @@ def test_soak_two_ranks_nothing_lost_memory_and_folders_bounded(tmp_path, tiny_c
             assert client.health().status == "serving"
             stats = client.stats()
         growth = rss_after - rss_before
-        print(f"\nsoak: {tally.completed} completed, {tally.cancelled} cancelled, "
-              f"{tally.malformed_answered} malformed answered; rank-0 RSS {rss_before:.1f} -> {rss_after:.1f} MB "
-              f"(+{growth:.1f}); max job folders {tally.max_folders}; jobs {stats['jobs']}")
+        print(
+            f"\nsoak: {tally.completed} completed, {tally.cancelled} cancelled, "
+            f"{tally.malformed_answered} malformed answered; rank-0 RSS {rss_before:.1f} -> {rss_after:.1f} MB "
+            f"(+{growth:.1f}); max job folders {tally.max_folders}; jobs {stats['jobs']}"
+        )
 
     total = NUM_THREADS * REQUESTS_PER_THREAD
     assert tally.problems == [], tally.problems[:10]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_ranks, one_thread
+from tests.distributed import one_thread, run_ranks
 from tilecast.kernels.halo import gather_rows, halo_exchange, split_sizes
 from tilecast.runtime.models.k6sr.spatial_shard import decode_spatial_shard, shard_sizes, sharded_decoder
 

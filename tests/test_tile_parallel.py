@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_ranks, one_thread
+from tests.distributed import one_thread, run_ranks
 from tilecast.runtime.models.k6sr.tiling import plan_tiles
 
 TIMEOUT = 120
@@ -61,7 +61,7 @@ def _modes(rank, world_size, model_dir, batches):
         progress = []
         outputs = {}
 
-        def record(done, total):
+        def record(done, total, progress=progress):
             progress.append((done, total))
 
         with torch.no_grad():
@@ -90,7 +90,10 @@ def _units(rank, world_size, model_dir):
     with torch.no_grad():
         for mode in ("whole_tile", "spatial_shard"):
             work = TileWork(
-                group=dist.group.WORLD, decode_mode=mode, tile_parallel=True, unit_size=2,
+                group=dist.group.WORLD,
+                decode_mode=mode,
+                tile_parallel=True,
+                unit_size=2,
                 unit_group=unit_groups[rank // 2],
             )
             outputs[mode] = work.run(parts, tiles_NCTHW, settings, plan, num_frames)

@@ -22,8 +22,11 @@ TEXT_ENCODER_WEIGHTS = ("text_encoder/model.safetensors", "text_encoder_2/model.
 
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of a checkpoint except the completion marker."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,7 @@ def _assert_text_encoders_load(directory: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- concurrent builders
+
 
 class _Count(logging.Handler):
     def __init__(self) -> None:
@@ -87,6 +91,7 @@ def test_a_weightless_build_is_refused_before_it_is_marked(tmp_path, reference):
 
 # ---------------------------------------------------------------------------- broken caches
 
+
 def _truncate(directory: Path) -> None:
     weights = directory / "text_encoder" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -111,12 +116,15 @@ def _weightless_legacy(directory: Path) -> None:
         (directory / sub).mkdir()
 
 
-@pytest.mark.parametrize("damage, fault", [
-    (_truncate, "text_encoder/model.safetensors has"),
-    (_no_marker, "no completion marker"),
-    (_flip_a_byte, "transformer/diffusion_pytorch_model.safetensors does not match its sha256"),
-    (_weightless_legacy, "no completion marker"),
-])
+@pytest.mark.parametrize(
+    "damage, fault",
+    [
+        (_truncate, "text_encoder/model.safetensors has"),
+        (_no_marker, "no completion marker"),
+        (_flip_a_byte, "transformer/diffusion_pytorch_model.safetensors does not match its sha256"),
+        (_weightless_legacy, "no completion marker"),
+    ],
+)
 def test_a_broken_cache_is_detected_logged_and_rebuilt(tmp_path, reference, damage, fault, caplog):
     directory = ensure_tiny_flux(tmp_path)
     assert check_model_dir(directory) is None
@@ -134,6 +142,7 @@ def test_a_broken_cache_is_detected_logged_and_rebuilt(tmp_path, reference, dama
 
 # ---------------------------------------------------------------------------- the served path
 
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_rank_serve_on_a_fresh_cache_serves(tmp_path, reference):
@@ -141,13 +150,22 @@ def test_two_rank_serve_on_a_fresh_cache_serves(tmp_path, reference):
 
     cache = tmp_path / "cache"
     server = ServerProcess(
-        "--model-path", "tiny/flux", "--num-gpus", "2", "--device", "cpu", "--output-dir", str(tmp_path / "out"),
-        env={"TILECAST_CACHE": str(cache), "OMP_NUM_THREADS": "1"}, ready_timeout=200.0,
+        "--model-path",
+        "tiny/flux",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
+        env={"TILECAST_CACHE": str(cache), "OMP_NUM_THREADS": "1"},
+        ready_timeout=200.0,
     )
     try:
         with server.client(timeout=120.0) as client:
-            result = client.generate(timeout=120.0, prompt="a fresh cache", width=32, height=32,
-                                     num_inference_steps=1, seed=3)
+            result = client.generate(
+                timeout=120.0, prompt="a fresh cache", width=32, height=32, num_inference_steps=1, seed=3
+            )
             assert result.job.state == "completed", result
             assert result.files and len(result.files[0].data) > 100
     finally:

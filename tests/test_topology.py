@@ -75,12 +75,24 @@ def test_world_size_is_degrees_times_data_parallel_replicas():
         "num_gpus=4, but TP 1 x Ulysses 3 x Ring 1 = 3."
     )
     assert Topology.check(num_gpus=4, ulysses_degree=2, dp_degree=1)[0].startswith(
-        "GPU count must equal TP times Ulysses times Ring: num_gpus=4")
+        "GPU count must equal TP times Ulysses times Ring: num_gpus=4"
+    )
 
 
 @pytest.mark.parametrize(
-    "backend", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "chunked_math", "fa", "flash_attn",
-                "torch_sdpa", "auto", None],
+    "backend",
+    [
+        "sdpa_cudnn",
+        "sdpa_flash",
+        "sdpa_efficient",
+        "sdpa_math",
+        "chunked_math",
+        "fa",
+        "flash_attn",
+        "torch_sdpa",
+        "auto",
+        None,
+    ],
 )
 def test_ring_runs_on_every_backend_that_returns_lse(backend):
     # the rule, not this machine's kernels: sdpa_cudnn validates without a GPU
@@ -117,7 +129,8 @@ def test_model_rules_heads_and_ff_width():
 
     assert model_errors(tp_size=2, ulysses_degree=2, num_heads=12, ff_dim=384) == []
     assert model_errors(tp_size=5, num_heads=10, ff_dim=384) == [
-        "TP must divide the DiT's feed-forward width: ff_dim=384, but TP 5."]
+        "TP must divide the DiT's feed-forward width: ff_dim=384, but TP 5."
+    ]
     assert len(Topology.check(num_gpus=8, tp_size=8, num_heads=12, ff_dim=384)) == 1
 
 
@@ -169,18 +182,36 @@ def test_auto_topology_value():
     [
         (
             Topology(num_gpus=4, ring_degree=2, ulysses_degree=2),
-            {"dp": [[0], [1], [2], [3]], "ring": [[0, 2], [1, 3]], "ulysses": [[0, 1], [2, 3]],
-             "tp": [[0], [1], [2], [3]], "sp": [[0, 1, 2, 3]], "decode": [[0, 1, 2, 3]]},
+            {
+                "dp": [[0], [1], [2], [3]],
+                "ring": [[0, 2], [1, 3]],
+                "ulysses": [[0, 1], [2, 3]],
+                "tp": [[0], [1], [2], [3]],
+                "sp": [[0, 1, 2, 3]],
+                "decode": [[0, 1, 2, 3]],
+            },
         ),
         (
             Topology(num_gpus=4, tp_size=2, ulysses_degree=2),
-            {"dp": [[0], [1], [2], [3]], "ring": [[0], [1], [2], [3]], "ulysses": [[0, 2], [1, 3]],
-             "tp": [[0, 1], [2, 3]], "sp": [[0, 2], [1, 3]], "decode": [[0, 1, 2, 3]]},
+            {
+                "dp": [[0], [1], [2], [3]],
+                "ring": [[0], [1], [2], [3]],
+                "ulysses": [[0, 2], [1, 3]],
+                "tp": [[0, 1], [2, 3]],
+                "sp": [[0, 2], [1, 3]],
+                "decode": [[0, 1, 2, 3]],
+            },
         ),
         (
             Topology(num_gpus=4, ulysses_degree=2, dp_degree=2),
-            {"dp": [[0, 2], [1, 3]], "ring": [[0], [1], [2], [3]], "ulysses": [[0, 1], [2, 3]],
-             "tp": [[0], [1], [2], [3]], "sp": [[0, 1], [2, 3]], "decode": [[0, 1], [2, 3]]},
+            {
+                "dp": [[0, 2], [1, 3]],
+                "ring": [[0], [1], [2], [3]],
+                "ulysses": [[0, 1], [2, 3]],
+                "tp": [[0], [1], [2], [3]],
+                "sp": [[0, 1], [2, 3]],
+                "decode": [[0, 1], [2, 3]],
+            },
         ),
     ],
     ids=["ring2-ulysses2", "tp2-ulysses2", "dp2-ulysses2"],
@@ -213,7 +244,9 @@ def test_heads_from_kandinsky6_sr_config(tmp_path):
 
 
 def test_heads_from_num_attention_heads(tmp_path):
-    path = _write_transformer_config(tmp_path / "flux", {"_class_name": "FluxTransformer2DModel", "num_attention_heads": 24})
+    path = _write_transformer_config(
+        tmp_path / "flux", {"_class_name": "FluxTransformer2DModel", "num_attention_heads": 24}
+    )
     assert num_heads_from_checkpoint(str(path)) == 24
 
 
@@ -248,7 +281,10 @@ def _mesh_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> 
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world_size,
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=30),
     )
     try:
@@ -259,9 +295,7 @@ def _mesh_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> 
             groups = topo.groups(mesh)
             again = topo.groups(mesh)  # idempotent: same groups, no new collectives needed
             members = {axis: dist.get_process_group_ranks(groups.group(axis)) for axis in GROUP_AXES}
-            same = all(
-                dist.get_process_group_ranks(again.group(a)) == members[a] for a in GROUP_AXES
-            )
+            same = all(dist.get_process_group_ranks(again.group(a)) == members[a] for a in GROUP_AXES)
             # the groups carry collectives: the sum of ranks over each axis group
             sums = {}
             for axis in GROUP_AXES:
@@ -282,8 +316,11 @@ def test_build_mesh_groups_on_four_gloo_ranks(tmp_path):
     world_size = 4
     ctx = mp.start_processes(
         # A file rendezvous in this test's own directory: no port to pick (and lose) at all.
-        _mesh_worker, args=(world_size, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=world_size,
-        join=False, start_method="spawn",
+        _mesh_worker,
+        args=(world_size, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     try:
         deadline = time.monotonic() + 50
@@ -453,14 +490,23 @@ def test_recipe_findings_are_warnings_with_the_pickers_words():
     multi = picker.recipe_findings(num_gpus=16, ulysses_degree=4, ring_degree=4, nodes=2, num_heads=28, hardware="h200")
     assert [f for f in multi if f.startswith(picker.RECIPE_PREFIX)] == [picker.RECIPE_PREFIX + picker.ERR_NODES]
     assert picker.recipe_findings(num_gpus=4, ulysses_degree=4, num_heads=28, hardware="gb300", decode="tiles") == [
-        picker.WARN_SCOPE, picker.WARN_UNVERIFIED, picker.WARN_TILES]
+        picker.WARN_SCOPE,
+        picker.WARN_UNVERIFIED,
+        picker.WARN_TILES,
+    ]
 
 
 def test_picker_attention_names():
     assert [picker.picker_attention(n) for n in (None, "auto", "platform", "fa", "flash_attn")] == [
-        "platform", "platform", "platform", "fa", "fa"]
+        "platform",
+        "platform",
+        "platform",
+        "fa",
+        "fa",
+    ]
     assert {picker.picker_attention(n) for n in ("sdpa_cudnn", "sdpa_math", "chunked_math", "torch_sdpa")} == {
-        "torch_sdpa"}
+        "torch_sdpa"
+    }
 
 
 def test_detect_hardware():
@@ -534,7 +580,11 @@ def test_default_deployment():
     assert d.attention == "fa" and d.summary == "TP 1, Ulysses 4, Ring 1"
     assert d.warnings == [W.WARN_SCOPE, W.WARN_UNVERIFIED, W.WARN_TILES]
     assert d.verification == {"serve": "unverified", "request": "unverified"}
-    assert d.resolved_settings() == {"attention": "FlashAttention", "prefetch": "1 layer", "resident_layers": "0 layers"}
+    assert d.resolved_settings() == {
+        "attention": "FlashAttention",
+        "prefetch": "1 layer",
+        "resident_layers": "0 layers",
+    }
 
 
 def test_platform_attention_resolution():
@@ -641,8 +691,16 @@ def test_each_warning(selection, warning, present):
 def test_warnings_keep_the_pickers_order():
     d = _resolve(hw="rtx5090", gpus_per_node=8, attention="fa", placement="offload", decode="spatial", tile_batch="2")
     assert d.warnings == [
-        W.WARN_SCOPE, W.WARN_UNVERIFIED, W.WARN_EXTRAPOLATED_HW, W.WARN_BACKEND_OVERRIDE, W.WARN_RTX5090,
-        W.WARN_MANY_GPUS, W.WARN_OFFLOAD, W.WARN_SPATIAL, W.WARN_TP_RING, W.WARN_TILE_BATCH,
+        W.WARN_SCOPE,
+        W.WARN_UNVERIFIED,
+        W.WARN_EXTRAPOLATED_HW,
+        W.WARN_BACKEND_OVERRIDE,
+        W.WARN_RTX5090,
+        W.WARN_MANY_GPUS,
+        W.WARN_OFFLOAD,
+        W.WARN_SPATIAL,
+        W.WARN_TP_RING,
+        W.WARN_TILE_BATCH,
     ]
     d = _resolve(hw="rtxpro6000", gpus_per_node=1, decode="tiles")
     assert d.warnings == [W.WARN_SCOPE, W.WARN_UNVERIFIED, W.WARN_TILES, W.WARN_ONE_GPU]
@@ -651,7 +709,7 @@ def test_warnings_keep_the_pickers_order():
 
 
 def test_warning_texts_are_the_pickers():
-    reference = (Path(__file__).resolve().parents[2] / "shared" / "reference" / "kandinsky6-sr.md")
+    reference = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kandinsky6-sr.md"
     if not reference.is_file():
         pytest.skip("reference page not available")
     text = reference.read_text()
@@ -686,7 +744,10 @@ def test_ignored_settings_are_noted():
     assert "offload components 'vae' are ignored: placement is 'resident'." in notes
     assert any(n.startswith("DiT prefetch 3 is ignored") for n in notes)
     assert any(n.startswith("DiT resident layers 2 is ignored") for n in notes)
-    assert "--dit-offload-prefetch-size" not in _resolve(placement="offload", offload_components="vae", prefetch=3).serve_flags()
+    assert (
+        "--dit-offload-prefetch-size"
+        not in _resolve(placement="offload", offload_components="vae", prefetch=3).serve_flags()
+    )
 
 
 # ---------------------------------------------------------------- picker: serve command
@@ -695,34 +756,69 @@ def test_ignored_settings_are_noted():
 def test_serve_flags_default():
     d = _resolve()
     assert d.serve_argv("/m") == [
-        "tilecast", "serve", "--model-path", "/m", "--num-gpus", "4", "--tp-size", "1", "--ulysses-degree", "4",
-        "--ring-degree", "1", "--attention-backend", "fa",
-        "--vae-config.use-parallel-tiling", "true", "--vae-config.use-parallel-decode", "false",
+        "tilecast",
+        "serve",
+        "--model-path",
+        "/m",
+        "--num-gpus",
+        "4",
+        "--tp-size",
+        "1",
+        "--ulysses-degree",
+        "4",
+        "--ring-degree",
+        "1",
+        "--attention-backend",
+        "fa",
+        "--vae-config.use-parallel-tiling",
+        "true",
+        "--vae-config.use-parallel-decode",
+        "false",
     ]
 
 
 def test_serve_flags_decode_modes():
     assert _resolve(decode="serial").serve_flags()[-4:] == [
-        "--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "false"]
+        "--vae-config.use-parallel-tiling",
+        "false",
+        "--vae-config.use-parallel-decode",
+        "false",
+    ]
     assert _resolve(decode="spatial").serve_flags()[-6:] == [
-        "--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "true",
-        "--vae-config.parallel-decode-mode", "spatial_shard"]
+        "--vae-config.use-parallel-tiling",
+        "false",
+        "--vae-config.use-parallel-decode",
+        "true",
+        "--vae-config.parallel-decode-mode",
+        "spatial_shard",
+    ]
 
 
 def test_serve_flags_placement():
     def tail(**kw):
         flags = _resolve(**kw).serve_flags()
-        return flags[flags.index("false") + 1:]  # after the decode flags (tiles: "... decode false")
+        return flags[flags.index("false") + 1 :]  # after the decode flags (tiles: "... decode false")
 
     assert tail() == []
     assert tail(placement="component", offload_components="vae latent_upscaler") == [
-        "--cpu-offload-components", "vae latent_upscaler"]
+        "--cpu-offload-components",
+        "vae latent_upscaler",
+    ]
     assert tail(placement="offload") == ["--layerwise-offload-components", "all"]
     assert tail(placement="offload", prefetch=3, resident_layers=2) == [
-        "--layerwise-offload-components", "all", "--dit-offload-prefetch-size", "3",
-        "--dit-layerwise-resident-layers", "2"]
+        "--layerwise-offload-components",
+        "all",
+        "--dit-offload-prefetch-size",
+        "3",
+        "--dit-layerwise-resident-layers",
+        "2",
+    ]
     assert tail(placement="offload", offload_components="transformer", prefetch=2) == [
-        "--layerwise-offload-components", "transformer", "--dit-offload-prefetch-size", "2"]
+        "--layerwise-offload-components",
+        "transformer",
+        "--dit-offload-prefetch-size",
+        "2",
+    ]
     assert tail(placement="component", prefetch=2) == ["--cpu-offload-components", "all"]
     assert tail(placement="fsdp") == ["--use-fsdp-inference", "true"]
 

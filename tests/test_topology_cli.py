@@ -39,8 +39,19 @@ def test_check_valid_manual_layout():
 
 def test_check_lists_every_error_and_exits_1():
     result = invoke(
-        "check", "--num-gpus", 8, "--tp-size", 1, "--ulysses-degree", 3, "--ring-degree", 2,
-        "--hardware", "rtx5090", "--attention-backend", "fa",
+        "check",
+        "--num-gpus",
+        8,
+        "--tp-size",
+        1,
+        "--ulysses-degree",
+        3,
+        "--ring-degree",
+        2,
+        "--hardware",
+        "rtx5090",
+        "--attention-backend",
+        "fa",
     )
     assert result.exit_code == 1
     errors, recipes = result.stdout.split("Outside the deployment guide's recipes:")
@@ -78,12 +89,25 @@ def test_multi_node_world_size_validates():
 
 
 def test_plan_for_two_nodes_is_a_torchrun_command():
-    result = invoke("plan", "--num-gpus", 16, "--nnodes", 2, "--ulysses-degree", 4, "--ring-degree", 4,
-                    "--attention-backend", "sdpa_cudnn", "--model-path", "tiny/k6sr")
+    result = invoke(
+        "plan",
+        "--num-gpus",
+        16,
+        "--nnodes",
+        2,
+        "--ulysses-degree",
+        4,
+        "--ring-degree",
+        4,
+        "--attention-backend",
+        "sdpa_cudnn",
+        "--model-path",
+        "tiny/k6sr",
+    )
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.strip())
     assert argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
-    assert argv[argv.index("-m"):argv.index("-m") + 5] == ["-m", "tilecast", "serve", "--model-path", "tiny/k6sr"]
+    assert argv[argv.index("-m") : argv.index("-m") + 5] == ["-m", "tilecast", "serve", "--model-path", "tiny/k6sr"]
     assert argv[argv.index("--num-gpus") + 1] == "16"
     assert argv[argv.index("--attention-backend") + 1] == "sdpa_cudnn"
 
@@ -97,7 +121,11 @@ def test_check_json_matches_the_picker():
     assert payload["selection"]["topology_mode"] == "auto"
     assert payload["attention"] == "fa"
     assert payload["warnings"] == [
-        picker.WARN_SCOPE, picker.WARN_UNVERIFIED, picker.WARN_MANY_GPUS, picker.WARN_TILES, picker.WARN_TP_RING
+        picker.WARN_SCOPE,
+        picker.WARN_UNVERIFIED,
+        picker.WARN_MANY_GPUS,
+        picker.WARN_TILES,
+        picker.WARN_TP_RING,
     ]
     assert payload["verification"] == {"serve": "unverified", "request": "unverified"}
 
@@ -165,15 +193,25 @@ def test_check_text_shows_notes_for_ignored_settings():
 
 @pytest.mark.parametrize(
     ("num_gpus", "layout", "code"),
-    [(1, (1, 1, 1), 0), (2, (1, 2, 1), 0), (3, (1, 3, 1), 1), (4, (1, 4, 1), 0),
-     (5, (1, 5, 1), 1), (6, (1, 6, 1), 1), (7, (1, 7, 1), 0), (8, (1, 4, 2), 0)],
+    [
+        (1, (1, 1, 1), 0),
+        (2, (1, 2, 1), 0),
+        (3, (1, 3, 1), 1),
+        (4, (1, 4, 1), 0),
+        (5, (1, 5, 1), 1),
+        (6, (1, 6, 1), 1),
+        (7, (1, 7, 1), 0),
+        (8, (1, 4, 2), 0),
+    ],
 )
 def test_auto_is_the_pickers_layout(num_gpus, layout, code):
     exit_code, payload = invoke_json("auto", "--num-gpus", num_gpus)
     assert exit_code == code
     assert (payload["tp_size"], payload["ulysses_degree"], payload["ring_degree"]) == layout
     if code:
-        assert payload["errors"] == [f"TP times Ulysses must divide the 28 DiT heads: TP 1 x Ulysses {num_gpus} = {num_gpus}."]
+        assert payload["errors"] == [
+            f"TP times Ulysses must divide the 28 DiT heads: TP 1 x Ulysses {num_gpus} = {num_gpus}."
+        ]
         assert payload["recipe_errors"] == ["TP times Ulysses must divide the 28 DiT heads."]
         assert payload["suggestion"]["ulysses_degree"] * payload["suggestion"]["ring_degree"] == num_gpus
 
@@ -199,24 +237,58 @@ def test_auto_on_rtx_with_eight_gpus_needs_ring():
 
 def test_plan_prints_the_serve_command():
     result = invoke(
-        "plan", "--num-gpus", 2, "--hardware", "rtxpro6000", "--model-path", "tiny/k6sr",
-        "--placement", "offload", "--offload-components", "transformer,vae", "--prefetch", 2, "--decode", "spatial",
+        "plan",
+        "--num-gpus",
+        2,
+        "--hardware",
+        "rtxpro6000",
+        "--model-path",
+        "tiny/k6sr",
+        "--placement",
+        "offload",
+        "--offload-components",
+        "transformer,vae",
+        "--prefetch",
+        2,
+        "--decode",
+        "spatial",
     )
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.strip())
     assert argv == [
-        "tilecast", "serve", "--model-path", "tiny/k6sr", "--num-gpus", "2", "--tp-size", "1",
-        "--ulysses-degree", "2", "--ring-degree", "1", "--attention-backend", "torch_sdpa",
-        "--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "true",
-        "--vae-config.parallel-decode-mode", "spatial_shard",
-        "--layerwise-offload-components", "transformer vae", "--dit-offload-prefetch-size", "2",
+        "tilecast",
+        "serve",
+        "--model-path",
+        "tiny/k6sr",
+        "--num-gpus",
+        "2",
+        "--tp-size",
+        "1",
+        "--ulysses-degree",
+        "2",
+        "--ring-degree",
+        "1",
+        "--attention-backend",
+        "torch_sdpa",
+        "--vae-config.use-parallel-tiling",
+        "false",
+        "--vae-config.use-parallel-decode",
+        "true",
+        "--vae-config.parallel-decode-mode",
+        "spatial_shard",
+        "--layerwise-offload-components",
+        "transformer vae",
+        "--dit-offload-prefetch-size",
+        "2",
     ]
     assert picker.WARN_SPATIAL in result.stderr
     assert picker.WARN_SPATIAL not in result.stdout
 
 
 def test_plan_json_and_invalid_plan():
-    code, payload = invoke_json("plan", "--num-gpus", 4, "--tp-size", 2, "--ulysses-degree", 2, "--model-path", "tiny/k6sr")
+    code, payload = invoke_json(
+        "plan", "--num-gpus", 4, "--tp-size", 2, "--ulysses-degree", 2, "--model-path", "tiny/k6sr"
+    )
     assert code == 0
     assert payload["command"].startswith("tilecast serve --model-path tiny/k6sr --num-gpus 4 --tp-size 2")
     assert payload["argv"] == shlex.split(payload["command"])
@@ -233,9 +305,24 @@ def test_plan_json_and_invalid_plan():
 
 def test_module_runs_as_a_subprocess():
     proc = subprocess.run(
-        [sys.executable, "-m", "tilecast.launcher.topology_cli", "check", "--num-gpus", "4",
-         "--ulysses-degree", "3", "--ring-degree", "2", "--attention-backend", "torch_sdpa", "--json"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "tilecast.launcher.topology_cli",
+            "check",
+            "--num-gpus",
+            "4",
+            "--ulysses-degree",
+            "3",
+            "--ring-degree",
+            "2",
+            "--attention-backend",
+            "torch_sdpa",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1, proc.stderr
     payload = json.loads(proc.stdout)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from diffusers import Kandinsky6SRVAE
 
-from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 from tilecast.kernels.spatial_norm import reference as norm_modulate_silu
+from tilecast.runtime.models.k6sr.tiny import VAE_CONFIG
 from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder, nearest_index
 
 
@@ -24,10 +24,10 @@ def make_vae(seed: int = 0, **overrides) -> Kandinsky6SRVAE:
 @pytest.mark.parametrize(
     "latent_frames, height, width",
     [
-        (1, 3, 4),    # one latent frame: one segment, one pixel frame
-        (5, 2, 3),    # exactly the first segment
-        (11, 3, 5),   # segments of 5, 4 and 2 latent frames: causal frames carried twice
-        (8, 4, 2),    # a short last segment of 3
+        (1, 3, 4),  # one latent frame: one segment, one pixel frame
+        (5, 2, 3),  # exactly the first segment
+        (11, 3, 5),  # segments of 5, 4 and 2 latent frames: causal frames carried twice
+        (8, 4, 2),  # a short last segment of 3
     ],
 )
 def test_matches_diffusers_decode_float32(latent_frames, height, width):
@@ -84,6 +84,7 @@ def test_norm_modulate_silu_broadcast_equals_materialised_upsample():
 
 # ----------------------------------------------------------------------------- in the pipeline
 
+
 def _load(cache, **settings):
     from tests.harness import make_context
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
@@ -106,10 +107,13 @@ def test_pipeline_decodes_with_it_by_default_and_matches_diffusers(tiny_cache):
     torch.testing.assert_close(_upscale(fast), _upscale(reference), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(layerwise_offload_components="vae"),
-    dict(cpu_offload_components="vae"),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(layerwise_offload_components="vae"),
+        dict(cpu_offload_components="vae"),
+    ],
+)
 def test_placed_vae_keeps_diffusers_decode(tiny_cache, settings):
     assert _load(tiny_cache, **settings).parts.decoder is None
 
@@ -132,7 +136,8 @@ def test_spatial_norm_matches_diffusers_for_any_resize(first, frames, height, wi
     with torch.no_grad():
         expected = torch.nn.functional.silu(norm(h, zq, {"is_first_segment": first}))
         got = ChannelsLastDecoder(vae)._spatial_norm_silu(
-            norm, h.permute(0, 2, 3, 4, 1).contiguous(), zq.permute(0, 2, 3, 4, 1).contiguous(), first)
+            norm, h.permute(0, 2, 3, 4, 1).contiguous(), zq.permute(0, 2, 3, 4, 1).contiguous(), first
+        )
     torch.testing.assert_close(got.permute(0, 4, 1, 2, 3), expected, rtol=0, atol=1e-5)
 
 
@@ -162,11 +167,17 @@ def test_nearest_repeat_refuses_bad_factors(factors, message):
 def test_bias_add_reference_rounds_like_two_adds_and_the_norm_takes_a_bias():
     from tilecast.kernels.channel_bias import add_bias_
 
-    y, bias, residual = torch.randn(1, 2, 3, 4, 8).bfloat16(), torch.randn(8).bfloat16(), torch.randn(1, 2, 3, 4, 8).bfloat16()
+    y, bias, residual = (
+        torch.randn(1, 2, 3, 4, 8).bfloat16(),
+        torch.randn(8).bfloat16(),
+        torch.randn(1, 2, 3, 4, 8).bfloat16(),
+    )
     expected = (y + bias) + residual
     assert torch.equal(add_bias_(y.clone(), bias, residual), expected)
     assert torch.equal(add_bias_(y.clone(), None, residual), y + residual)
     h, gamma = torch.randn(1, 2, 4, 4, 8), torch.rand(8) + 0.5
     zy, zb = torch.randn(1, 2, 2, 2, 8), torch.randn(1, 2, 2, 2, 8)
-    assert torch.equal(norm_modulate_silu(h, 2.0, gamma, zy, zb, 2, 2, h_bias_C=bias.float()),
-                       norm_modulate_silu(h + bias.float(), 2.0, gamma, zy, zb, 2, 2))
+    assert torch.equal(
+        norm_modulate_silu(h, 2.0, gamma, zy, zb, 2, 2, h_bias_C=bias.float()),
+        norm_modulate_silu(h + bias.float(), 2.0, gamma, zy, zb, 2, 2),
+    )

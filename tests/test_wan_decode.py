@@ -51,9 +51,17 @@ PRELOAD = ("diffusers.models.autoencoders.autoencoder_kl_wan",)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
 """``wan.build_tiny_wan``'s VAE config."""
 WAN22_VAE = dict(
-    base_dim=8, decoder_base_dim=16, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-    temperal_downsample=[False, True, True], is_residual=True, patch_size=2, scale_factor_spatial=16,
-    in_channels=12, out_channels=12,
+    base_dim=8,
+    decoder_base_dim=16,
+    z_dim=48,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    patch_size=2,
+    scale_factor_spatial=16,
+    in_channels=12,
+    out_channels=12,
 )
 """The Wan 2.2 (TI2V-5B) VAE's structure, narrow: residual up blocks with ``DupUp3D`` shortcuts,
 2x2 patches (``unpatchify`` after the decoder), 48 latent channels, 16x spatial."""
@@ -138,8 +146,10 @@ def test_parallel_decode_matches_serial(world_size, latent_frames):
     with torch.no_grad(), one_thread():
         wan22_reference = tiny_vae(WAN22_VAE).decode(latents(rows, 2, channels=48), return_dict=False)[0]
     wan22_diff = (results[0]["wan22"] - wan22_reference).abs().max().item()
-    print(f"Wan 2.2 VAE structure, {world_size} ranks, 5 frames of {tuple(wan22_reference.shape[3:])}: "
-          f"float max |diff| {wan22_diff:.3g}")
+    print(
+        f"Wan 2.2 VAE structure, {world_size} ranks, 5 frames of {tuple(wan22_reference.shape[3:])}: "
+        f"float max |diff| {wan22_diff:.3g}"
+    )
     assert all(torch.equal(result["wan22"], results[0]["wan22"]) for result in results)
     assert wan22_diff <= FLOAT_BOUND
 
@@ -147,10 +157,10 @@ def test_parallel_decode_matches_serial(world_size, latent_frames):
 def _pipeline_rank(rank, world_size, cache):
     import torch.distributed as dist
 
+    from tests.harness import make_context
     from tilecast.runtime.models.families.common import T2VParams
     from tilecast.runtime.models.families.wan import WanT2VPipeline
     from tilecast.runtime.models.families.wan_decode import ShardedWanDecode
-    from tests.harness import make_context
     from tilecast.runtime.pipeline import WorkItem
     from tilecast.runtime.topology import Topology
 
@@ -161,15 +171,24 @@ def _pipeline_rank(rank, world_size, cache):
     def load(vae):
         # The mesh's Ulysses axis makes the decode group of all ranks; the settings keep the DiT degrees
         # at 1 (the families refuse --ulysses-degree until they honour it).
-        ctx = make_context(Path(cache) / f"out{rank}", rank=rank, world_size=world_size, cpu_group=dist.group.WORLD,
-                           device_group=dist.group.WORLD, groups=groups, dtype="float32", vae=vae)
+        ctx = make_context(
+            Path(cache) / f"out{rank}",
+            rank=rank,
+            world_size=world_size,
+            cpu_group=dist.group.WORLD,
+            device_group=dist.group.WORLD,
+            groups=groups,
+            dtype="float32",
+            vae=vae,
+        )
         return WanT2VPipeline.load("tiny/wan2.1-t2v", ctx), ctx
 
     outputs = {}
     for name, vae in (("serial", {}), ("parallel", {"use_parallel_decode": True})):
         pipe, ctx = load(vae)
-        params = pipe.prepare(T2VParams(prompt="a red kite", width=32, height=64, num_frames=9, seed=5,
-                                        return_tensor=True), {})
+        params = pipe.prepare(
+            T2VParams(prompt="a red kite", width=32, height=64, num_frames=9, seed=5, return_tensor=True), {}
+        )
         outputs[name] = pipe.run([WorkItem(job_id=name, params=params)], ctx)[0].tensors["video"]
         outputs[f"{name}_installed"] = isinstance(vars(pipe.pipe.vae).get("decode"), ShardedWanDecode)
     return outputs

@@ -158,8 +158,14 @@ def test_a_served_sr_decode_longer_than_the_stuck_timeout_completes(tmp_path):
     from tilecast.runtime.inproc import InProcessServer
 
     video = write_test_video(tmp_path / "long.mp4", 64, 64, 41, 24.0)
-    config = ServeConfig(model_path="tiny/k6sr", device="cpu", port=0, output_dir=tmp_path / "out",
-                         allowed_video_dirs=(tmp_path,), stuck_timeout_s=2.0)
+    config = ServeConfig(
+        model_path="tiny/k6sr",
+        device="cpu",
+        port=0,
+        output_dir=tmp_path / "out",
+        allowed_video_dirs=(tmp_path,),
+        stuck_timeout_s=2.0,
+    )
     with InProcessServer(config) as srv, Client(srv.endpoint) as client:
         result = client.result(client.submit(video_path=str(video), sr_resolution_scale=2), timeout=100)
         assert result.job.state == "completed", result.job.error
@@ -170,8 +176,19 @@ def test_a_served_sr_decode_longer_than_the_stuck_timeout_completes(tmp_path):
 def _probe_server(tmp_path, *extra: str):
     from tests.harness import ServerProcess
 
-    return ServerProcess("--model-path", "test/allreduce", "--num-gpus", "2", "--device", "cpu",
-                         "--output-dir", str(tmp_path), "--stuck-timeout-s", "2", *extra)
+    return ServerProcess(
+        "--model-path",
+        "test/allreduce",
+        "--num-gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path),
+        "--stuck-timeout-s",
+        "2",
+        *extra,
+    )
 
 
 @pytest.mark.timeout(120)

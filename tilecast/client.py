@@ -15,5 +15,14 @@ from tilecast.scheduler.client import (  # noqa: F401
     read_ready_file,
 )
 
-__all__ = ["Client", "AsyncClient", "TilecastError", "ServerError", "JobFailedError", "ServerDeadError",
-           "AuthenticationError", "ReadyInfo", "read_ready_file"]
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "TilecastError",
+    "ServerError",
+    "JobFailedError",
+    "ServerDeadError",
+    "AuthenticationError",
+    "ReadyInfo",
+    "read_ready_file",
+]

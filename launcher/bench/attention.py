@@ -24,8 +24,9 @@ def time_backend(backend: str, seq_len: int, head_dim: int, *, iters: int = 10, 
     heads = MODEL_DIM // head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-    return time_repeated(lambda: attention(q, k, v, backend=backend), repeats=iters, warmup=2, device="cuda",
-                         cuda_events=True).median_s
+    return time_repeated(
+        lambda: attention(q, k, v, backend=backend), repeats=iters, warmup=2, device="cuda", cuda_events=True
+    ).median_s
 
 
 def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=None, iters: int = 10) -> list[dict]:
@@ -47,6 +48,14 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
                     rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "error": str(exc)[:120]})
                     continue
                 tflops = flops / seconds / 1e12
-                rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "ms": seconds * 1e3,
-                             "tflops": tflops, "of_peak": tflops / H200_DENSE_BF16_TFLOPS})
+                rows.append(
+                    {
+                        "backend": name,
+                        "head_dim": head_dim,
+                        "seq_len": seq_len,
+                        "ms": seconds * 1e3,
+                        "tflops": tflops,
+                        "of_peak": tflops / H200_DENSE_BF16_TFLOPS,
+                    }
+                )
     return rows

@@ -65,11 +65,24 @@ class _Server:
         """The bound endpoint, from the server's ready file (``wait_ready``)."""
         self.log_path = log_path
         self.ready_file = log_path.with_suffix(".ready.json")
-        command = [sys.executable, "-m", "tilecast", "serve", *args, "--port", "0", "--ready-file", str(self.ready_file)]
+        command = [
+            sys.executable,
+            "-m",
+            "tilecast",
+            "serve",
+            *args,
+            "--port",
+            "0",
+            "--ready-file",
+            str(self.ready_file),
+        ]
         logger.info("starting %s", " ".join(command))
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
 
@@ -104,8 +117,11 @@ def _counters(client: Client) -> tuple[int, int, float]:
 
 def _wave(client: Client, count: int, fields: dict, tag: str) -> None:
     threads = [
-        threading.Thread(target=client.generate, kwargs=dict(
-            prompt=f"{tag} {i}", seed=i, timeout=REQUEST_TIMEOUT_S, **fields), daemon=True)
+        threading.Thread(
+            target=client.generate,
+            kwargs=dict(prompt=f"{tag} {i}", seed=i, timeout=REQUEST_TIMEOUT_S, **fields),
+            daemon=True,
+        )
         for i in range(count)
     ]
     for thread in threads:
@@ -198,8 +214,9 @@ class BenchTopology:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        errors = Topology.check(num_gpus=self.num_gpus, ulysses_degree=self.ulysses_degree or 1,
-                                dp_degree=self.dp_degree)
+        errors = Topology.check(
+            num_gpus=self.num_gpus, ulysses_degree=self.ulysses_degree or 1, dp_degree=self.dp_degree
+        )
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -236,8 +253,13 @@ def run_batching_bench(
     """
     from tilecast.runtime.config import DTYPES, default_dtype
 
-    for name, value in (("num_clients", num_clients), ("requests_per_client", requests_per_client),
-                        ("steps", steps), ("num_gpus", num_gpus), ("batching_max_size", batching_max_size)):
+    for name, value in (
+        ("num_clients", num_clients),
+        ("requests_per_client", requests_per_client),
+        ("steps", steps),
+        ("num_gpus", num_gpus),
+        ("batching_max_size", batching_max_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -254,22 +276,39 @@ def run_batching_bench(
     modes = {
         "singleton": ["--batching-max-size", "1"],
         "dynamic": [
-            "--batching-mode", "dynamic", "--batching-max-size", str(batching_max_size),
-            "--batching-delay-ms", str(batching_delay_ms),
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            str(batching_max_size),
+            "--batching-delay-ms",
+            str(batching_delay_ms),
         ],
     }
     results: dict[str, Any] = {
-        "model": model_path, "num_clients": num_clients, "requests_per_client": requests_per_client,
-        "width": width, "height": height, "steps": steps, "device": device, "num_gpus": num_gpus,
-        "dp_degree": dp_degree, "ulysses_degree": ulysses_degree, "dtype": dtype or default_dtype(device), "peer": peer,
+        "model": model_path,
+        "num_clients": num_clients,
+        "requests_per_client": requests_per_client,
+        "width": width,
+        "height": height,
+        "steps": steps,
+        "device": device,
+        "num_gpus": num_gpus,
+        "dp_degree": dp_degree,
+        "ulysses_degree": ulysses_degree,
+        "dtype": dtype or default_dtype(device),
+        "peer": peer,
         "topologies": [],
     }
     if peer is not None:
         from tilecast.launcher.bench.peer import measure_diffusers_peer
 
         peer_modes = measure_diffusers_peer(
-            model_path, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields,
-            device=device, dtype=results["dtype"],
+            model_path,
+            num_clients=num_clients,
+            requests_per_client=requests_per_client,
+            fields=fields,
+            device=device,
+            dtype=results["dtype"],
         )
         results.update({f"peer_{mode}": row for mode, row in peer_modes.items()})
     with tempfile.TemporaryDirectory(prefix="tilecast-bench-") as tmp:
@@ -278,14 +317,24 @@ def run_batching_bench(
             for mode, mode_args in modes.items():
                 name = f"t{index}-{mode}"
                 args = [
-                    "--model-path", model_path, *topology.serve_args(), "--device", device,
-                    "--output-dir", str(Path(tmp, name)), *dtype_args, *mode_args, *extra_serve_args,
+                    "--model-path",
+                    model_path,
+                    *topology.serve_args(),
+                    "--device",
+                    device,
+                    "--output-dir",
+                    str(Path(tmp, name)),
+                    *dtype_args,
+                    *mode_args,
+                    *extra_serve_args,
                 ]
                 server = _Server(args, Path(tmp, f"{name}.log"))
                 try:
                     server.wait_ready()
                     row[mode] = _drive(
-                        server.endpoint, num_clients=num_clients, requests_per_client=requests_per_client,
+                        server.endpoint,
+                        num_clients=num_clients,
+                        requests_per_client=requests_per_client,
                         fields=fields,
                     )
                 finally:
@@ -295,9 +344,11 @@ def run_batching_bench(
     if len(results["topologies"]) > 1:
         one = results["topologies"][0]
         results["vs_one_rank"] = {
-            mode: {"throughput_ratio": ratio(results[mode]["throughput_rps"], one[mode]["throughput_rps"]),
-                   "p50_ratio": ratio(results[mode]["p50_ms"], one[mode]["p50_ms"]),
-                   "p95_ratio": ratio(results[mode]["p95_ms"], one[mode]["p95_ms"])}
+            mode: {
+                "throughput_ratio": ratio(results[mode]["throughput_rps"], one[mode]["throughput_rps"]),
+                "p50_ratio": ratio(results[mode]["p50_ms"], one[mode]["p50_ms"]),
+                "p95_ratio": ratio(results[mode]["p95_ms"], one[mode]["p95_ms"]),
+            }
             for mode in modes
         }
     single, dynamic = results["singleton"], results["dynamic"]
@@ -332,26 +383,51 @@ def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
     for mode in ("one_at_a_time", "offline_batch"):
         row = results.get(f"peer_{mode}")
         if row is not None:
-            rows.append({"mode": f"{results['peer']} {mode.replace('_', ' ')}", "requests": str(row["requests"]),
-                         "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
-                         "avg batch": f"{row['batch_size']:.2f}"})
+            rows.append(
+                {
+                    "mode": f"{results['peer']} {mode.replace('_', ' ')}",
+                    "requests": str(row["requests"]),
+                    "throughput (req/s)": f"{row['throughput_rps']:.3f}",
+                    "p50 (ms)": f"{row['p50_ms']:.1f}",
+                    "avg batch": f"{row['batch_size']:.2f}",
+                }
+            )
     topologies = results.get("topologies") or []
     several = len(topologies) > 1
     for topology in topologies if several else [results]:
         prefix = f"{topology['topology']}: " if several else ""
         for mode in ("singleton", "dynamic"):
             row = topology[mode]
-            rows.append({"mode": prefix + mode, "requests": str(row["requests"]), "errors": str(row["errors"]),
-                         "throughput (req/s)": f"{row['throughput_rps']:.3f}", "p50 (ms)": f"{row['p50_ms']:.1f}",
-                         "p95 (ms)": f"{row['p95_ms']:.1f}", "avg batch": f"{row['avg_batch_size']:.2f}",
-                         "merged": f"{row['merged_rate'] * 100:.0f}%"})
+            rows.append(
+                {
+                    "mode": prefix + mode,
+                    "requests": str(row["requests"]),
+                    "errors": str(row["errors"]),
+                    "throughput (req/s)": f"{row['throughput_rps']:.3f}",
+                    "p50 (ms)": f"{row['p50_ms']:.1f}",
+                    "p95 (ms)": f"{row['p95_ms']:.1f}",
+                    "avg batch": f"{row['avg_batch_size']:.2f}",
+                    "merged": f"{row['merged_rate'] * 100:.0f}%",
+                }
+            )
     label = f"{topologies[-1]['topology']}: " if several else ""
-    rows.append({"mode": f"{label}ratio dynamic / singleton", "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
-                 "p50 (ms)": f"{results['p50_ratio']:.2f}x", "p95 (ms)": f"{results['p95_ratio']:.2f}x"})
+    rows.append(
+        {
+            "mode": f"{label}ratio dynamic / singleton",
+            "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
+            "p50 (ms)": f"{results['p50_ratio']:.2f}x",
+            "p95 (ms)": f"{results['p95_ratio']:.2f}x",
+        }
+    )
     for mode, ratios in (results.get("vs_one_rank") or {}).items():
-        rows.append({"mode": f"ratio {topologies[-1]['topology']} / 1 rank ({mode})",
-                     "throughput (req/s)": f"{ratios['throughput_ratio']:.2f}x",
-                     "p50 (ms)": f"{ratios['p50_ratio']:.2f}x", "p95 (ms)": f"{ratios['p95_ratio']:.2f}x"})
+        rows.append(
+            {
+                "mode": f"ratio {topologies[-1]['topology']} / 1 rank ({mode})",
+                "throughput (req/s)": f"{ratios['throughput_ratio']:.2f}x",
+                "p50 (ms)": f"{ratios['p50_ratio']:.2f}x",
+                "p95 (ms)": f"{ratios['p95_ratio']:.2f}x",
+            }
+        )
     for key, label in PEER_RATIOS.items():
         if key in results:
             rows.append({"mode": label.format(peer=results["peer"]), "throughput (req/s)": f"{results[key]:.2f}x"})
@@ -360,9 +436,13 @@ def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
 
 def print_bench_table(results: dict[str, Any]) -> None:
     """Print ``run_batching_bench``'s results as one table."""
-    print_table(bench_table_rows(results), BATCHING_COLUMNS, title=(
-        f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
-        f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
-        f"{results['num_gpus']} x {results['device']}"
-        f"{' (' + results['topologies'][-1]['topology'] + ')' if results.get('topologies') else ''}, {results['dtype']}"
-    ))
+    print_table(
+        bench_table_rows(results),
+        BATCHING_COLUMNS,
+        title=(
+            f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
+            f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
+            f"{results['num_gpus']} x {results['device']}"
+            f"{' (' + results['topologies'][-1]['topology'] + ')' if results.get('topologies') else ''}, {results['dtype']}"
+        ),
+    )

@@ -42,7 +42,9 @@ def k6sr(
     workload: Annotated[list[str], typer.Option("--workload", help=K6SR_WORKLOADS)] = ["small"],  # noqa: B006
     peer: Annotated[str, typer.Option("--peer", help="diffusers | none.")] = "diffusers",
     repeats: Annotated[int, typer.Option("--repeats", help="Timed requests after one warm-up.")] = 1,
-    compile_blocks: Annotated[bool, typer.Option("--compile", help="torch.compile tilecast's DiT blocks (compile time is in the warm-up).")] = False,
+    compile_blocks: Annotated[
+        bool, typer.Option("--compile", help="torch.compile tilecast's DiT blocks (compile time is in the warm-up).")
+    ] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
 ) -> None:
     """Released-size Kandinsky 6 SR (random weights): tilecast vs diffusers' pipeline, per stage."""
@@ -52,12 +54,20 @@ def k6sr(
     if peer not in ("diffusers", "none"):
         raise typer.BadParameter(f"--peer {peer!r}: choose diffusers or none")
     try:  # a ValueError names the bad option (or the missing GPU)
-        rows = bench_k6sr(list(workload), peer=None if peer == "none" else peer, repeats=repeats,
-                          compile_blocks=compile_blocks)
+        rows = bench_k6sr(
+            list(workload), peer=None if peer == "none" else peer, repeats=repeats, compile_blocks=compile_blocks
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    columns = ["workload", "side", "e2e_s", *(f"{s}_s" for s in (*STAGES, "other")), "peak_reserved_gib",
-               "ratio_vs_diffusers", "psnr_vs_diffusers_db"]
+    columns = [
+        "workload",
+        "side",
+        "e2e_s",
+        *(f"{s}_s" for s in (*STAGES, "other")),
+        "peak_reserved_gib",
+        "ratio_vs_diffusers",
+        "psnr_vs_diffusers_db",
+    ]
     _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)
 
 
@@ -78,67 +88,133 @@ def attention(
         rows = bench_attention(tuple(seq_len), tuple(head_dim), iters=iters)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    print_table(rows, ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "error"],
-                f"attention forward, bf16 (peak {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s)",
-                headers=["backend", "head_dim", "seq_len", "ms", "TFLOP/s", f"of {H200_DENSE_BF16_TFLOPS:.0f} peak",
-                         "note"])
+    print_table(
+        rows,
+        ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "error"],
+        f"attention forward, bf16 (peak {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s)",
+        headers=["backend", "head_dim", "seq_len", "ms", "TFLOP/s", f"of {H200_DENSE_BF16_TFLOPS:.0f} peak", "note"],
+    )
     print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
     save_json(rows, json_out)
 
 
 @bench_app.command("step")
 def step(
-    model_path: Annotated[str, typer.Option("--model-path", help="tiny/flux (CPU) | random/flux (released size, GPU).")] = "tiny/flux",
+    model_path: Annotated[
+        str, typer.Option("--model-path", help="tiny/flux (CPU) | random/flux (released size, GPU).")
+    ] = "tiny/flux",
     width: Annotated[int, typer.Option("--width")] = 512,
     height: Annotated[int, typer.Option("--height")] = 512,
     batch_size: Annotated[list[int], typer.Option("--batch-size", help="Repeat for several.")] = [1],  # noqa: B006
     device: Annotated[str, typer.Option("--device")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "float32",
-    compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile tilecast's transformer blocks (compile time is in the warm-up).")] = False,
-    attention_backend: Annotated[Optional[str], typer.Option("--attention-backend", help="tilecast's attention kernel (default: the fastest).")] = None,
-    quantize: Annotated[Optional[str], typer.Option("--quantize", help="fp8: tilecast's blocks with FP8 linear layers (diffusers' side stays in --dtype).")] = None,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Replay tilecast's forward as a CUDA graph (captured in the warm-up).")] = False,
+    compile_blocks: Annotated[
+        bool, typer.Option("--compile", help="Compile tilecast's transformer blocks (compile time is in the warm-up).")
+    ] = False,
+    attention_backend: Annotated[
+        Optional[str], typer.Option("--attention-backend", help="tilecast's attention kernel (default: the fastest).")
+    ] = None,
+    quantize: Annotated[
+        Optional[str],
+        typer.Option(
+            "--quantize", help="fp8: tilecast's blocks with FP8 linear layers (diffusers' side stays in --dtype)."
+        ),
+    ] = None,
+    cuda_graphs: Annotated[
+        bool, typer.Option("--cuda-graphs", help="Replay tilecast's forward as a CUDA graph (captured in the warm-up).")
+    ] = False,
     iters: Annotated[int, typer.Option("--iters")] = 10,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """One FLUX denoising step: diffusers' eager transformer vs tilecast's fast paths, same model, one run."""
-    from tilecast.runtime.config import DTYPES
     from tilecast.launcher.bench.step import run_step_bench
+    from tilecast.runtime.config import DTYPES
 
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     try:  # a ValueError names the bad option
-        rows = run_step_bench(model_path, width=width, height=height, batch_sizes=list(batch_size), device=device,
-                              dtype=dtype, compile_blocks=compile_blocks, attention_backend=attention_backend,
-                              quantize=quantize, cuda_graphs=cuda_graphs, iters=iters)
+        rows = run_step_bench(
+            model_path,
+            width=width,
+            height=height,
+            batch_sizes=list(batch_size),
+            device=device,
+            dtype=dtype,
+            compile_blocks=compile_blocks,
+            attention_backend=attention_backend,
+            quantize=quantize,
+            cuda_graphs=cuda_graphs,
+            iters=iters,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    columns = ["batch", "tflop", "diffusers_ms", "tilecast_ms", "ratio", "tilecast_ms_per_image", "diffusers_tflops",
-               "tilecast_tflops", "tilecast_warmup_s", "max_rel_diff", "psnr_db"]
-    _print_rows(rows, columns, f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
-                               f"{', compiled' if compile_blocks else ''}{f', {quantize}' if quantize else ''}"
-                               f"{', CUDA graphs' if cuda_graphs else ''}", json_out)
+    columns = [
+        "batch",
+        "tflop",
+        "diffusers_ms",
+        "tilecast_ms",
+        "ratio",
+        "tilecast_ms_per_image",
+        "diffusers_tflops",
+        "tilecast_tflops",
+        "tilecast_warmup_s",
+        "max_rel_diff",
+        "psnr_db",
+    ]
+    _print_rows(
+        rows,
+        columns,
+        f"FLUX step: {model_path} {width}x{height}, {dtype}, {device}"
+        f"{', compiled' if compile_blocks else ''}{f', {quantize}' if quantize else ''}"
+        f"{', CUDA graphs' if cuda_graphs else ''}",
+        json_out,
+    )
 
 
 @bench_app.command("batching")
 def batching(
-    model_path: Annotated[str, typer.Option("--model-path", help="tiny/flux (CPU), random/flux (released size, GPU), ...")] = "tiny/flux",
+    model_path: Annotated[
+        str, typer.Option("--model-path", help="tiny/flux (CPU), random/flux (released size, GPU), ...")
+    ] = "tiny/flux",
     num_clients: Annotated[int, typer.Option("--num-clients", help="Concurrent clients.")] = 8,
     requests_per_client: Annotated[int, typer.Option("--requests-per-client")] = 3,
     width: Annotated[int, typer.Option("--width")] = 64,
     height: Annotated[int, typer.Option("--height")] = 64,
     steps: Annotated[int, typer.Option("--steps")] = 2,
     device: Annotated[str, typer.Option("--device")] = "cpu",
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Passed to the servers (and the peer): float32 | bfloat16 | float16.")] = None,
-    num_gpus: Annotated[int, typer.Option("--num-gpus", help="Ranks of the measured servers (more than 1: one rank is measured too).")] = 1,
-    dp_degree: Annotated[Optional[int], typer.Option("--dp-degree", help="Data-parallel replica groups of the measured servers.")] = None,
-    ulysses_degree: Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree of the measured servers.")] = None,
-    batching_max_size: Annotated[int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")] = 8,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option("--dtype", help="Passed to the servers (and the peer): float32 | bfloat16 | float16."),
+    ] = None,
+    num_gpus: Annotated[
+        int, typer.Option("--num-gpus", help="Ranks of the measured servers (more than 1: one rank is measured too).")
+    ] = 1,
+    dp_degree: Annotated[
+        Optional[int], typer.Option("--dp-degree", help="Data-parallel replica groups of the measured servers.")
+    ] = None,
+    ulysses_degree: Annotated[
+        Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree of the measured servers.")
+    ] = None,
+    batching_max_size: Annotated[
+        int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")
+    ] = 8,
     batching_delay_ms: Annotated[float, typer.Option("--batching-delay-ms")] = 20.0,
-    peer: Annotated[str, typer.Option("--peer", help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.")] = "none",
-    compile_blocks: Annotated[bool, typer.Option("--compile", help="Serve with --compile (the peer stays eager, as diffusers ships).")] = False,
-    quantize: Annotated[Optional[str], typer.Option("--quantize", help="Serve with --quantize (fp8; the peer stays in --dtype).")] = None,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Serve with --cuda-graphs (the peer stays eager).")] = False,
+    peer: Annotated[
+        str,
+        typer.Option(
+            "--peer",
+            help="diffusers: also time diffusers' pipeline one request at a time and with the whole batch offline | none.",
+        ),
+    ] = "none",
+    compile_blocks: Annotated[
+        bool, typer.Option("--compile", help="Serve with --compile (the peer stays eager, as diffusers ships).")
+    ] = False,
+    quantize: Annotated[
+        Optional[str], typer.Option("--quantize", help="Serve with --quantize (fp8; the peer stays in --dtype).")
+    ] = None,
+    cuda_graphs: Annotated[
+        bool, typer.Option("--cuda-graphs", help="Serve with --cuda-graphs (the peer stays eager).")
+    ] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, per topology, in one run."""
@@ -146,12 +222,22 @@ def batching(
 
     try:  # a ValueError names the bad option
         result = run_batching_bench(
-            model_path, num_clients=num_clients, requests_per_client=requests_per_client, width=width,
-            height=height, steps=steps, device=device, num_gpus=num_gpus, dp_degree=dp_degree,
-            ulysses_degree=ulysses_degree, dtype=dtype,
-            peer=None if peer == "none" else peer, batching_max_size=batching_max_size,
+            model_path,
+            num_clients=num_clients,
+            requests_per_client=requests_per_client,
+            width=width,
+            height=height,
+            steps=steps,
+            device=device,
+            num_gpus=num_gpus,
+            dp_degree=dp_degree,
+            ulysses_degree=ulysses_degree,
+            dtype=dtype,
+            peer=None if peer == "none" else peer,
+            batching_max_size=batching_max_size,
             batching_delay_ms=batching_delay_ms,
-            extra_serve_args=(["--compile"] if compile_blocks else []) + (["--quantize", quantize] if quantize else [])
+            extra_serve_args=(["--compile"] if compile_blocks else [])
+            + (["--quantize", quantize] if quantize else [])
             + (["--cuda-graphs"] if cuda_graphs else []),
             print_table=True,
         )
@@ -163,7 +249,12 @@ def batching(
 @bench_app.command("placement")
 def placement(
     workload: Annotated[list[str], typer.Option("--workload", help=K6SR_WORKLOADS)] = ["small"],  # noqa: B006
-    placement: Annotated[Optional[list[str]], typer.Option("--placement", help="Rows to run (default all): " + "; ".join(repr(name) for name in PLACEMENTS) + ".")] = None,
+    placement: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--placement", help="Rows to run (default all): " + "; ".join(repr(name) for name in PLACEMENTS) + "."
+        ),
+    ] = None,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed requests after one warm-up.")] = 3,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
 ) -> None:

@@ -14,6 +14,7 @@ latent upscaler, DiT), identical for both sides; "other" is the rest of the end-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -151,13 +152,21 @@ def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: S
         stage_runs.append(dict(timer.times))
         return output
 
-    timing = time_repeated(request, repeats=repeats, warmup=1, device="cuda",
-                           after_warmup=lambda: (stage_runs.clear(), torch.cuda.reset_peak_memory_stats()))
+    timing = time_repeated(
+        request,
+        repeats=repeats,
+        warmup=1,
+        device="cuda",
+        after_warmup=lambda: (stage_runs.clear(), torch.cuda.reset_peak_memory_stats()),
+    )
     best = timing.median_low_index
     stages = dict(stage_runs[best])
     stages["other"] = timing.calls_s[best] - sum(stages.values())
     return Measurement(
-        side=side, workload=workload, e2e_s=timing.calls_s[best], stages_s=stages,
+        side=side,
+        workload=workload,
+        e2e_s=timing.calls_s[best],
+        stages_s=stages,
         peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
         output=timing.result.float().cpu(),
@@ -169,12 +178,20 @@ def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
     from PIL import Image
 
     pipe = Kandinsky6SRPipeline(
-        transformer=parts.transformer, vae=parts.vae, scheduler=parts.scheduler, latent_upscaler=parts.latent_upscaler,
+        transformer=parts.transformer,
+        vae=parts.vae,
+        scheduler=parts.scheduler,
+        latent_upscaler=parts.latent_upscaler,
     )
     pipe.set_progress_bar_config(disable=True)
     images = [Image.fromarray(frame) for frame in frames_FHWC]
-    out = pipe(video=images, resolution_scale=2, num_inference_steps=2, generator=torch.Generator().manual_seed(seed),
-               output_type="pt").frames
+    out = pipe(
+        video=images,
+        resolution_scale=2,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+    ).frames
     return out[0]  # (F, C, H, W) in [0, 1]
 
 
@@ -187,8 +204,14 @@ def run_tilecast(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
     return ((out_BCFHW[0].permute(1, 0, 2, 3).float() + 1) / 2).clamp(0, 1)  # (F, C, H, W) in [0, 1]
 
 
-def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats: int = 1, seed: int = 42,
-               compile_blocks: bool = False) -> list[dict]:
+def bench_k6sr(
+    workloads: list[str],
+    *,
+    peer: str | None = "diffusers",
+    repeats: int = 1,
+    seed: int = 42,
+    compile_blocks: bool = False,
+) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
 
     diffusers runs every workload first, then tilecast installs its fast paths (its attention, its
@@ -214,7 +237,8 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
             set_processors(parts.transformer, DenseSDPAProcessor)
             for name in workloads:
                 measured[name, "diffusers"] = _measure(
-                    "diffusers", name, lambda: run_diffusers(parts, frames[name], seed), timer, repeats)
+                    "diffusers", name, functools.partial(run_diffusers, parts, frames[name], seed), timer, repeats
+                )
                 torch.cuda.empty_cache()
         install_dense_attention(parts.transformer)
         parts.decoder = ChannelsLastDecoder(parts.vae)
@@ -223,7 +247,8 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
             parts.transformer.compile_repeated_blocks()
         for name in workloads:
             measured[name, "tilecast"] = _measure(
-                "tilecast", name, lambda: run_tilecast(parts, frames[name], seed), timer, repeats)
+                "tilecast", name, functools.partial(run_tilecast, parts, frames[name], seed), timer, repeats
+            )
             torch.cuda.empty_cache()
     finally:
         timer.close()
@@ -234,11 +259,18 @@ def bench_k6sr(workloads: list[str], *, peer: str | None = "diffusers", repeats:
             m = measured.get((name, side))
             if m is None:
                 continue
-            row = {"workload": name, "side": side, "e2e_s": m.e2e_s, **{f"{k}_s": v for k, v in m.stages_s.items()},
-                   "peak_reserved_gib": m.peak_reserved_gib, "peak_allocated_gib": m.peak_allocated_gib}
+            row = {
+                "workload": name,
+                "side": side,
+                "e2e_s": m.e2e_s,
+                **{f"{k}_s": v for k, v in m.stages_s.items()},
+                "peak_reserved_gib": m.peak_reserved_gib,
+                "peak_allocated_gib": m.peak_allocated_gib,
+            }
             if side == "tilecast" and reference is not None:
                 row["ratio_vs_diffusers"] = ratio(m.e2e_s, reference.e2e_s)
-                row["psnr_vs_diffusers_db"] = (psnr_db(m.output, reference.output, peak=1.0)
-                                               if m.output.shape == reference.output.shape else None)
+                row["psnr_vs_diffusers_db"] = (
+                    psnr_db(m.output, reference.output, peak=1.0) if m.output.shape == reference.output.shape else None
+                )
             rows.append(row)
     return rows

@@ -60,23 +60,36 @@ def _mode(family: DiffusersBatchPipeline, warmup: list[list[WorkItem]], batches:
 
 def _measure(family: DiffusersBatchPipeline, *, num_clients: int, requests_per_client: int, fields: dict) -> dict:
     def items(requests: list[dict]) -> list[WorkItem]:
-        return [WorkItem(job_id=f"peer-{i}", params=family.prepare(family.params_type(**request, **fields), {}))
-                for i, request in enumerate(requests)]
+        return [
+            WorkItem(job_id=f"peer-{i}", params=family.prepare(family.params_type(**request, **fields), {}))
+            for i, request in enumerate(requests)
+        ]
 
     warmup = [dict(prompt=f"warm-up {i}", seed=i) for i in range(WARMUP_SEQUENTIAL)]
     wave = [dict(prompt=f"warm-up wave {i}", seed=i) for i in range(num_clients)]
     rounds = [[bench_request(client, k) for client in range(num_clients)] for k in range(requests_per_client)]
-    logger.info("diffusers peer: %d calls of one request, then %d calls of %d", num_clients * requests_per_client,
-                requests_per_client, num_clients)
+    logger.info(
+        "diffusers peer: %d calls of one request, then %d calls of %d",
+        num_clients * requests_per_client,
+        requests_per_client,
+        num_clients,
+    )
     return {
-        "one_at_a_time": _mode(family, [items([r]) for r in warmup],
-                               [items([request]) for batch in rounds for request in batch]),
+        "one_at_a_time": _mode(
+            family, [items([r]) for r in warmup], [items([request]) for batch in rounds for request in batch]
+        ),
         "offline_batch": _mode(family, [items(wave)], [items(batch) for batch in rounds]),
     }
 
 
 def measure_diffusers_peer(
-    model_path: str, *, num_clients: int, requests_per_client: int, fields: dict, device: str, dtype: str,
+    model_path: str,
+    *,
+    num_clients: int,
+    requests_per_client: int,
+    fields: dict,
+    device: str,
+    dtype: str,
 ) -> dict[str, Any]:
     """Throughput and p50 latency of diffusers called one request at a time and offline with the
     whole batch (see the module doc). ``fields`` are the request fields every bench request shares."""
@@ -86,8 +99,15 @@ def measure_diffusers_peer(
             f"--peer diffusers needs a model of a diffusers text-to-image/video family (tiny/flux, random/flux, ...);"
             f" {model_path!r} is served by {family_cls.__name__}"
         )
-    ctx = RankContext(rank=0, world_size=1, device=torch.device(device), cpu_group=None, device_group=None,
-                      output_dir=Path("."), settings=ServeConfig(model_path=model_path, device=device, dtype=dtype))
+    ctx = RankContext(
+        rank=0,
+        world_size=1,
+        device=torch.device(device),
+        cpu_group=None,
+        device_group=None,
+        output_dir=Path("."),
+        settings=ServeConfig(model_path=model_path, device=device, dtype=dtype),
+    )
     family = family_cls(family_cls.build_diffusers(model_path, ctx.device, getattr(torch, dtype)), ctx)
     try:
         return _measure(family, num_clients=num_clients, requests_per_client=requests_per_client, fields=fields)

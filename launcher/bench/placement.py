@@ -18,6 +18,7 @@ Imports no torch at module import time: ``CONFIGS`` names the ``--placement`` ch
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -49,12 +50,20 @@ def _context(device: torch.device, placement: dict):
     from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.pipeline import RankContext
 
-    return RankContext(rank=0, world_size=1, device=device, cpu_group=None, device_group=None,
-                       output_dir=Path("outputs"), settings=ServeConfig(device=device.type, **placement))
+    return RankContext(
+        rank=0,
+        world_size=1,
+        device=device,
+        cpu_group=None,
+        device_group=None,
+        output_dir=Path("outputs"),
+        settings=ServeConfig(device=device.type, **placement),
+    )
 
 
-def _measure_one(name: str, placement: dict, frames, *, device, dtype, repeats: int, seed: int,
-                 build: Callable) -> tuple[dict, torch.Tensor]:
+def _measure_one(
+    name: str, placement: dict, frames, *, device, dtype, repeats: int, seed: int, build: Callable
+) -> tuple[dict, torch.Tensor]:
     import torch
 
     from tilecast.launcher.bench.k6sr import run_tilecast
@@ -71,10 +80,16 @@ def _measure_one(name: str, placement: dict, frames, *, device, dtype, repeats: 
     synchronize(device)
     weights_on_device = torch.cuda.memory_allocated() / GIB if cuda else float("nan")
     host = sum(s.streamed_bytes for s in applied.streamers.values()) + sum(
-        o.group.num_bytes for o in applied.offloads.values())
+        o.group.num_bytes for o in applied.offloads.values()
+    )
 
-    timing = time_repeated(lambda: run_tilecast(parts, frames, seed), repeats=repeats, warmup=1, device=device,
-                           after_warmup=torch.cuda.reset_peak_memory_stats if cuda else None)
+    timing = time_repeated(
+        functools.partial(run_tilecast, parts, frames, seed),
+        repeats=repeats,
+        warmup=1,
+        device=device,
+        after_warmup=torch.cuda.reset_peak_memory_stats if cuda else None,
+    )
     row = {
         "placement": name,
         "e2e_s": timing.median_s,
@@ -93,8 +108,14 @@ def _measure_one(name: str, placement: dict, frames, *, device, dtype, repeats: 
 
 
 def bench_placement(
-    workloads: list[str], *, configs: list[str] | None = None, repeats: int = 3, seed: int = 42,
-    device: torch.device | None = None, dtype: torch.dtype | None = None, build: Callable | None = None,
+    workloads: list[str],
+    *,
+    configs: list[str] | None = None,
+    repeats: int = 3,
+    seed: int = 42,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    build: Callable | None = None,
 ) -> list[dict]:
     """One row per (workload, placement); ``configs`` are ``CONFIGS`` names (default all; resident is
     always measured first as the reference). ``dtype`` defaults to bfloat16, ``build`` to
@@ -122,8 +143,16 @@ def bench_placement(
         frames = pattern_video(width, height, num_frames)
         reference = None
         for name in names:
-            row, output = _measure_one(name, CONFIGS[name], frames, device=device, dtype=dtype or torch.bfloat16,
-                                       repeats=repeats, seed=seed, build=build or build_released)
+            row, output = _measure_one(
+                name,
+                CONFIGS[name],
+                frames,
+                device=device,
+                dtype=dtype or torch.bfloat16,
+                repeats=repeats,
+                seed=seed,
+                build=build or build_released,
+            )
             if reference is None:
                 reference = output
             row["equal_to_resident"] = bool(torch.equal(output, reference))
@@ -133,6 +162,16 @@ def bench_placement(
     return rows
 
 
-COLUMNS = ("workload", "placement", "e2e_s", "peak_allocated_gib", "peak_reserved_gib", "weights_on_device_gib",
-           "host_gib", "late_groups", "equal_to_resident", "max_abs_diff")
+COLUMNS = (
+    "workload",
+    "placement",
+    "e2e_s",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+    "weights_on_device_gib",
+    "host_gib",
+    "late_groups",
+    "equal_to_resident",
+    "max_abs_diff",
+)
 """The report's columns, in order."""

@@ -78,8 +78,9 @@ class Timing:
         return self.calls_s.index(statistics.median_low(self.calls_s))
 
 
-def time_calls(calls: Iterable[Callable[[], Any]], *, device: "torch.device | str | None" = None,
-               cuda_events: bool = False) -> Timing:
+def time_calls(
+    calls: Iterable[Callable[[], Any]], *, device: "torch.device | str | None" = None, cuda_events: bool = False
+) -> Timing:
     """Run each call once, in order, and time each: synchronized wall time around each call, or
     with ``cuda_events`` the GPU time between CUDA events recorded around it (no host overhead)."""
     import torch
@@ -108,9 +109,16 @@ def time_calls(calls: Iterable[Callable[[], Any]], *, device: "torch.device | st
     return Timing(warmup_s=0.0, total_s=total_s, calls_s=tuple(calls_s), num_calls=len(calls_s), result=result)
 
 
-def time_repeated(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
-                  device: "torch.device | str | None" = None, each: bool = True, cuda_events: bool = False,
-                  after_warmup: Optional[Callable[[], None]] = None) -> Timing:
+def time_repeated(
+    call: Callable[[], Any],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    device: "torch.device | str | None" = None,
+    each: bool = True,
+    cuda_events: bool = False,
+    after_warmup: Optional[Callable[[], None]] = None,
+) -> Timing:
     """``warmup`` untimed calls, then ``repeats`` timed ones. ``each``: each call timed on its own
     (``Timing.calls_s``); otherwise the loop runs unsynchronized and is timed as a whole (what a
     host-bound step measures best). ``after_warmup`` runs between the two (e.g. resetting peak
@@ -134,8 +142,7 @@ def time_repeated(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
     for _ in range(repeats):
         result = call()
     synchronize(device)
-    return Timing(warmup_s=warmup_s, total_s=time.perf_counter() - began, calls_s=(), num_calls=repeats,
-                  result=result)
+    return Timing(warmup_s=warmup_s, total_s=time.perf_counter() - began, calls_s=(), num_calls=repeats, result=result)
 
 
 def ratio(numerator: float, denominator: float) -> float:
@@ -170,8 +177,9 @@ def fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def print_table(rows: Sequence[dict], columns: Sequence[str], title: str, *,
-                headers: Sequence[str] | None = None) -> None:
+def print_table(
+    rows: Sequence[dict], columns: Sequence[str], title: str, *, headers: Sequence[str] | None = None
+) -> None:
     """Print ``rows`` as one table of ``columns`` (``headers`` names them, default the keys): the
     first column left-aligned and never wrapped, the others right-aligned; a missing cell is empty."""
     from rich.console import Console

@@ -34,17 +34,29 @@ def step_inputs(pipe, batch: int, *, width: int, height: int, max_sequence_lengt
     """The transformer's keyword arguments for one step of ``batch`` prompts, made by the pipeline itself."""
     device = pipe.transformer.device
     prompt_embeds, pooled, text_ids = pipe.encode_prompt(
-        prompt=[f"bench step prompt {i}" for i in range(batch)], prompt_2=None, device=device,
+        prompt=[f"bench step prompt {i}" for i in range(batch)],
+        prompt_2=None,
+        device=device,
         max_sequence_length=max_sequence_length,
     )
     latents, image_ids = pipe.prepare_latents(
-        batch, pipe.transformer.config.in_channels // 4, height, width, prompt_embeds.dtype, device,
+        batch,
+        pipe.transformer.config.in_channels // 4,
+        height,
+        width,
+        prompt_embeds.dtype,
+        device,
         torch.Generator(device="cpu").manual_seed(0),
     )
     return dict(
-        hidden_states=latents, timestep=torch.full((batch,), 0.5, device=device, dtype=latents.dtype),
-        guidance=torch.full((batch,), GUIDANCE, device=device, dtype=torch.float32), pooled_projections=pooled,
-        encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False,
+        hidden_states=latents,
+        timestep=torch.full((batch,), 0.5, device=device, dtype=latents.dtype),
+        guidance=torch.full((batch,), GUIDANCE, device=device, dtype=torch.float32),
+        pooled_projections=pooled,
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=text_ids,
+        img_ids=image_ids,
+        return_dict=False,
     )
 
 
@@ -52,8 +64,13 @@ def time_step(transformer, inputs: dict, *, warmup: int, iters: int) -> tuple[fl
     """(seconds of warm-up, milliseconds per step, the output) of ``transformer(**inputs)``: the
     ``iters`` steps run back to back, synchronized once at the end (a host-bound step is timed as
     it would run in the denoising loop)."""
-    timing = time_repeated(lambda: transformer(**inputs)[0], repeats=iters, warmup=warmup,
-                           device=inputs["hidden_states"].device, each=False)
+    timing = time_repeated(
+        lambda: transformer(**inputs)[0],
+        repeats=iters,
+        warmup=warmup,
+        device=inputs["hidden_states"].device,
+        each=False,
+    )
     return timing.warmup_s, timing.mean_s * 1e3, timing.result
 
 
@@ -65,15 +82,27 @@ def count_flops(transformer, inputs: dict) -> int:
 
 
 def run_step_bench(
-    model_path: str, *, width: int, height: int, batch_sizes: list[int], device: str, dtype: str,
-    compile_blocks: bool, attention_backend: str | None = None, quantize: str | None = None,
-    cuda_graphs: bool = False, warmup: int = 3, iters: int = 10,
+    model_path: str,
+    *,
+    width: int,
+    height: int,
+    batch_sizes: list[int],
+    device: str,
+    dtype: str,
+    compile_blocks: bool,
+    attention_backend: str | None = None,
+    quantize: str | None = None,
+    cuda_graphs: bool = False,
+    warmup: int = 3,
+    iters: int = 10,
 ) -> list[dict[str, Any]]:
     """One row per batch size (see the module doc). ``ValueError`` names a bad argument."""
     family = resolve_pipeline(model_path)
     if not issubclass(family, FluxT2IPipeline):
-        raise ValueError(f"bench step times FLUX's transformer (tiny/flux, random/flux); {model_path!r} is "
-                         f"served by {family.__name__}")
+        raise ValueError(
+            f"bench step times FLUX's transformer (tiny/flux, random/flux); {model_path!r} is "
+            f"served by {family.__name__}"
+        )
     for name, values in (("batch size", batch_sizes), ("warm-up", [warmup]), ("iters", [iters])):
         if not values or any(v < 1 for v in values):
             raise ValueError(f"every {name} must be a positive integer, got {values}")
@@ -82,25 +111,50 @@ def run_step_bench(
             raise ValueError(f"width and height must be multiples of {family.size_multiple}, got {width}x{height}")
     pipe = family.build_diffusers(model_path, torch.device(device), getattr(torch, dtype))
     with torch.inference_mode():
-        inputs = {b: step_inputs(pipe, b, width=width, height=height, max_sequence_length=family.max_sequence_length)
-                  for b in batch_sizes}
+        inputs = {
+            b: step_inputs(pipe, b, width=width, height=height, max_sequence_length=family.max_sequence_length)
+            for b in batch_sizes
+        }
         rows = []
         for batch in batch_sizes:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[batch], warmup=warmup, iters=iters)
-            rows.append(dict(model=model_path, width=width, height=height, batch=batch, dtype=dtype,
-                             tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12, diffusers_ms=ms,
-                             diffusers_warmup_s=warmup_s, reference=out))
-        family.install_fast_paths(pipe, ServeConfig(
-            model_path=model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-            compile=compile_blocks, quantize=quantize, cuda_graphs=cuda_graphs,
-        ))
+            rows.append(
+                dict(
+                    model=model_path,
+                    width=width,
+                    height=height,
+                    batch=batch,
+                    dtype=dtype,
+                    tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12,
+                    diffusers_ms=ms,
+                    diffusers_warmup_s=warmup_s,
+                    reference=out,
+                )
+            )
+        family.install_fast_paths(
+            pipe,
+            ServeConfig(
+                model_path=model_path,
+                device=device,
+                dtype=dtype,
+                attention_backend=attention_backend,
+                compile=compile_blocks,
+                quantize=quantize,
+                cuda_graphs=cuda_graphs,
+            ),
+        )
         for row in rows:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
             reference = row.pop("reference").float()
             row.update(
-                tilecast_ms=ms, tilecast_warmup_s=warmup_s, ratio=ratio(ms, row["diffusers_ms"]),
-                diffusers_ms_per_image=row["diffusers_ms"] / row["batch"], tilecast_ms_per_image=ms / row["batch"],
-                diffusers_tflops=row["tflop"] / row["diffusers_ms"] * 1e3, tilecast_tflops=row["tflop"] / ms * 1e3,
-                max_rel_diff=max_rel_diff(out, reference), psnr_db=psnr_db(out, reference),
+                tilecast_ms=ms,
+                tilecast_warmup_s=warmup_s,
+                ratio=ratio(ms, row["diffusers_ms"]),
+                diffusers_ms_per_image=row["diffusers_ms"] / row["batch"],
+                tilecast_ms_per_image=ms / row["batch"],
+                diffusers_tflops=row["tflop"] / row["diffusers_ms"] * 1e3,
+                tilecast_tflops=row["tflop"] / ms * 1e3,
+                max_rel_diff=max_rel_diff(out, reference),
+                psnr_db=psnr_db(out, reference),
             )
     return rows

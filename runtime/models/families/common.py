@@ -364,7 +364,9 @@ class DiffusersBatchPipeline(Pipeline):
         outputs_BX = self.generate(items, ctx)
         ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):
-            raise RuntimeError(f"{self.diffusers_class} returned {outputs_BX.shape[0]} outputs for {len(items)} requests")
+            raise RuntimeError(
+                f"{self.diffusers_class} returned {outputs_BX.shape[0]} outputs for {len(items)} requests"
+            )
         results, writes = [], []
         for item, sample in zip(items, outputs_BX):
             params = item.params

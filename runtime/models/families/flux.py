@@ -25,27 +25,57 @@ logger = logging.getLogger(__name__)
 RELEASED_CONFIGS: dict[str, dict] = {
     # CLIP ViT-L/14 text tower (vocab and special ids come from the offline tokenizer)
     "text_encoder": dict(
-        hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12, num_attention_heads=12,
+        hidden_size=768,
+        intermediate_size=3072,
+        projection_dim=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
         max_position_embeddings=77,
     ),
     # T5-v1.1-XXL encoder (vocab from the offline tokenizer; inference only, so no dropout)
     "text_encoder_2": dict(
-        d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, relative_attention_num_buckets=32,
-        feed_forward_proj="gated-gelu", dropout_rate=0.0,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        relative_attention_num_buckets=32,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
     ),
     "transformer": dict(
-        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        patch_size=1,
+        in_channels=64,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
     ),
     "vae": dict(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2,
+        norm_num_groups=32,
+        sample_size=1024,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     ),
     "scheduler": dict(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
         max_image_seq_len=4096,
     ),
 }
@@ -55,12 +85,21 @@ TEXT_DIM = 32
 """Hidden size of both tiny text encoders (the transformer's joint and pooled dims)."""
 
 TINY_OVERRIDES: dict[str, dict] = {
-    "text_encoder": dict(hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM, num_hidden_layers=1,
-                         num_attention_heads=2),
-    "text_encoder_2": dict(d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-                           relative_attention_num_buckets=8),
-    "transformer": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                        joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6)),
+    "text_encoder": dict(
+        hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM, num_hidden_layers=1, num_attention_heads=2
+    ),
+    "text_encoder_2": dict(
+        d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2, relative_attention_num_buckets=8
+    ),
+    "transformer": dict(
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),
+    ),
     "vae": dict(block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8, sample_size=64),
 }
 """What ``tiny/flux`` changes in ``RELEASED_CONFIGS``: every size, nothing structural."""
@@ -87,16 +126,28 @@ def build_flux(configs: dict[str, dict], finish: Callable = lambda module: modul
 
     clip_tok = tokenizers.clip_tokenizer()
     t5_tok = tokenizers.t5_tokenizer()
-    clip = finish(CLIPTextModel(CLIPTextConfig(
-        vocab_size=tokenizers.CLIP_VOCAB_SIZE, bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-        pad_token_id=clip_tok.pad_token_id, **configs["text_encoder"],
-    )))
+    clip = finish(
+        CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=tokenizers.CLIP_VOCAB_SIZE,
+                bos_token_id=clip_tok.bos_token_id,
+                eos_token_id=clip_tok.eos_token_id,
+                pad_token_id=clip_tok.pad_token_id,
+                **configs["text_encoder"],
+            )
+        )
+    )
     t5 = finish(T5EncoderModel(T5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **configs["text_encoder_2"])))
     transformer = finish(FluxTransformer2DModel(**configs["transformer"]))
     vae = finish(AutoencoderKL(**configs["vae"]))
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), vae=vae, text_encoder=clip,
-        tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
     )
 
 
@@ -127,7 +178,8 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     default_guidance = 3.5
     max_sequence_length = 128
     honoured_settings = (
-        DiffusersBatchPipeline.honoured_settings | {"attention_backend", "quantize", "cuda_graphs"}
+        DiffusersBatchPipeline.honoured_settings
+        | {"attention_backend", "quantize", "cuda_graphs"}
         | SEQUENCE_PARALLEL_SETTINGS
     )
 
@@ -153,6 +205,10 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
 
     def call_kwargs(self, params) -> dict:
         return dict(
-            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale, max_sequence_length=self.max_sequence_length, output_type="pt",
+            width=params.width,
+            height=params.height,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            output_type="pt",
         )

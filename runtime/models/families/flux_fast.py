@@ -137,5 +137,9 @@ def install_fast_paths(
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention layers")
     fuse_projections(transformer)
     quantized = quantize_blocks(transformer) if quantize == "fp8" else 0
-    logger.info("FLUX fast paths: attention backend %s on %d layers, fused projections%s", backend or "auto", layers,
-                f", {quantized} FP8 linear layers" if quantized else "")
+    logger.info(
+        "FLUX fast paths: attention backend %s on %d layers, fused projections%s",
+        backend or "auto",
+        layers,
+        f", {quantized} FP8 linear layers" if quantized else "",
+    )

@@ -39,33 +39,69 @@ def build_tiny_qwen_image():
     tokenizer = tokenizers.qwen_tokenizer()
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=tokenizers.QWEN_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+            vocab_size=tokenizers.QWEN_VOCAB_SIZE,
+            hidden_size=TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_DIM,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[0],
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TEXT_DIM,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[0],
         ),
         # Ids outside the tiny vocabulary: no prompt can contain an image or video placeholder.
-        image_token_id=tokenizers.QWEN_VOCAB_SIZE + 1, video_token_id=tokenizers.QWEN_VOCAB_SIZE + 2,
-        vision_start_token_id=tokenizers.QWEN_VOCAB_SIZE + 3, vision_end_token_id=tokenizers.QWEN_VOCAB_SIZE + 4,
+        image_token_id=tokenizers.QWEN_VOCAB_SIZE + 1,
+        video_token_id=tokenizers.QWEN_VOCAB_SIZE + 2,
+        vision_start_token_id=tokenizers.QWEN_VOCAB_SIZE + 3,
+        vision_end_token_id=tokenizers.QWEN_VOCAB_SIZE + 4,
     )
     text_encoder = Qwen2_5_VLForConditionalGeneration(config)
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),
     )
     vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
     )
     return QwenImagePipeline(
-        scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        scheduler=scheduler,
+        vae=vae.eval(),
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
         transformer=transformer.eval(),
     )
 
@@ -102,7 +138,11 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
 
     def call_kwargs(self, params) -> dict:
         return dict(
-            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
-            true_cfg_scale=params.guidance_scale, guidance_scale=None,
-            max_sequence_length=self.max_sequence_length, output_type="pt",
+            width=params.width,
+            height=params.height,
+            num_inference_steps=params.num_inference_steps,
+            true_cfg_scale=params.guidance_scale,
+            guidance_scale=None,
+            max_sequence_length=self.max_sequence_length,
+            output_type="pt",
         )

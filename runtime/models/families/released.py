@@ -30,8 +30,9 @@ RANDOM_FLUX_SEED = 20250702
 """Seed of ``random/flux``'s weights (the same on every rank and in the benchmark's own process)."""
 
 
-def build_random_flux(device, dtype: torch.dtype, *, seed: int = RANDOM_FLUX_SEED,
-                      overrides: dict[str, dict] | None = None):
+def build_random_flux(
+    device, dtype: torch.dtype, *, seed: int = RANDOM_FLUX_SEED, overrides: dict[str, dict] | None = None
+):
     """FLUX.1-dev's ``FluxPipeline`` with seeded random weights, built on ``device`` in ``dtype``.
 
     ``overrides`` (per-component config changes, see ``flux.flux_configs``) exist for tests that
@@ -67,8 +68,17 @@ class RandomFluxT2IPipeline(FluxT2IPipeline):
             raise ValueError(f"{cls.__name__} builds only {cls.builtin_name!r}, got --model-path {model_path!r}")
         began = time.perf_counter()
         pipe = build_random_flux(device, dtype)
-        num_params = sum(p.numel() for part in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae)
-                         for p in part.parameters())
-        logger.info("built %s with random weights: %.2fB parameters, %s, %s, in %.1fs", cls.builtin_name,
-                    num_params / 1e9, dtype, device, time.perf_counter() - began)
+        num_params = sum(
+            p.numel()
+            for part in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae)
+            for p in part.parameters()
+        )
+        logger.info(
+            "built %s with random weights: %.2fB parameters, %s, %s, in %.1fs",
+            cls.builtin_name,
+            num_params / 1e9,
+            dtype,
+            device,
+            time.perf_counter() - began,
+        )
         return pipe

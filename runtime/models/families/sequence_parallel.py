@@ -142,10 +142,13 @@ class SequenceState:
                 masks.append(None if valid_S is None else valid_S.expand(batch, -1))
         if all(mask is None for mask in masks):
             return None
-        return torch.cat([
-            torch.ones(batch, self.local_len(name), dtype=torch.bool, device=device) if mask is None else mask
-            for (name, _), mask in zip(parts, masks)
-        ], dim=1)
+        return torch.cat(
+            [
+                torch.ones(batch, self.local_len(name), dtype=torch.bool, device=device) if mask is None else mask
+                for (name, _), mask in zip(parts, masks)
+            ],
+            dim=1,
+        )
 
     def _split(self, name: str) -> _Split:
         split = self.splits.get(name)
@@ -245,6 +248,7 @@ def _install_split(module: nn.Module, entries: dict, state: SequenceState, path:
     indices = {name: _parameter_index(module, name, path) for name in inputs}
 
     if inputs:
+
         def pre_hook(module, args, kwargs):
             args = list(args)
             for name, entry in inputs.items():
@@ -257,6 +261,7 @@ def _install_split(module: nn.Module, entries: dict, state: SequenceState, path:
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     if outputs:
+
         def post_hook(module, args, output):
             single = torch.is_tensor(output)
             values = [output] if single else list(output)
@@ -333,8 +338,14 @@ def apply_sequence_parallel(
                     raise ValueError(f"plan entry {path!r}: expected ContextParallelOutput, got {entries!r}")
                 _install_gather(module, gathers, state)
     transformer._tilecast_sequence_parallel = state
-    logger.info("sequence parallel: %s with Ulysses %d x Ring %d over %d attention layers (backend %s)",
-                type(transformer).__name__, parallel.ulysses_size, parallel.ring_size, layers, backend or "auto")
+    logger.info(
+        "sequence parallel: %s with Ulysses %d x Ring %d over %d attention layers (backend %s)",
+        type(transformer).__name__,
+        parallel.ulysses_size,
+        parallel.ring_size,
+        layers,
+        backend or "auto",
+    )
     return state
 
 
@@ -366,8 +377,11 @@ def install_for_family(pipe: Any, family: type, ctx: Any) -> SequenceState | Non
         )
     backend = ctx.settings.attention_backend
     return apply_sequence_parallel(
-        pipe.transformer, resolve_plan(family.cp_plan), ulysses_group=ctx.groups.ulysses_group,
-        ring_group=ctx.groups.ring_group, backend=backend,
+        pipe.transformer,
+        resolve_plan(family.cp_plan),
+        ulysses_group=ctx.groups.ulysses_group,
+        ring_group=ctx.groups.ring_group,
+        backend=backend,
     )
 
 

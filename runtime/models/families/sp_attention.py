@@ -36,8 +36,9 @@ class _SequenceParallelProcessor:
     def attend(self, q_BSHD, k_BSHD, v_BSHD, parts) -> torch.Tensor:
         """Sequence-parallel attention of the local shard; ``parts`` describe its segments (``key_mask``)."""
         mask_BS = self.state.key_mask(parts, q_BSHD.shape[0], q_BSHD.device)
-        out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend, parallel=self.state.parallel,
-                                   key_mask=mask_BS)
+        out_BSHD, _lse = attention(
+            q_BSHD, k_BSHD, v_BSHD, backend=self.backend, parallel=self.state.parallel, key_mask=mask_BS
+        )
         return out_BSHD
 
 
@@ -80,8 +81,15 @@ class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):
     """``QwenDoubleStreamAttnProcessor2_0``: joint ``[text, image]`` attention, text keys masked by
     ``encoder_hidden_states_mask`` (split with the text by the plan) as well as by padding."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
-                 attention_mask=None, image_rotary_emb=None):
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        encoder_hidden_states_mask=None,
+        attention_mask=None,
+        image_rotary_emb=None,
+    ):
         from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
         if encoder_hidden_states is None:
@@ -89,10 +97,13 @@ class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):
         if attention_mask is not None:
             raise ValueError("Qwen-Image's attention takes encoder_hidden_states_mask, not attention_mask")
         head_dim = attn.inner_dim // attn.heads
-        img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, (-1, head_dim))
-                               for proj in (attn.to_q, attn.to_k, attn.to_v))
-        txt_q, txt_k, txt_v = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-                               for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        img_q, img_k, img_v = (
+            proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        txt_q, txt_k, txt_v = (
+            proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+            for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
         if attn.norm_q is not None:
             img_q = attn.norm_q(img_q)
         if attn.norm_k is not None:
@@ -109,7 +120,9 @@ class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):
             txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
         q_BSHD = torch.cat([txt_q, img_q], dim=1)
         out_BSHD = self.attend(
-            q_BSHD, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
+            q_BSHD,
+            torch.cat([txt_k, img_k], dim=1),
+            torch.cat([txt_v, img_v], dim=1),
             [("encoder_hidden_states", encoder_hidden_states_mask), ("hidden_states", None)],
         )
         out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
@@ -173,8 +186,9 @@ class ZImageSequenceParallelProcessor(_SequenceParallelProcessor):
     by the model's batch-padding mask (split by the plan) and by padding."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
-        q_BSHD, k_BSHD, v_BSHD = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
-                                  for proj in (attn.to_q, attn.to_k, attn.to_v))
+        q_BSHD, k_BSHD, v_BSHD = (
+            proj(hidden_states).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+        )
         if attn.norm_q is not None:
             q_BSHD = attn.norm_q(q_BSHD)
         if attn.norm_k is not None:
@@ -215,8 +229,11 @@ def install_processors(transformer: nn.Module, state: SequenceState, backend: st
     """
     weight = next(transformer.parameters())
     resolve_backend(backend, weight.device, weight.dtype)
-    layers = [(name, module) for name, module in transformer.named_modules() if hasattr(module, "set_processor")
-              and hasattr(module, "processor")]
+    layers = [
+        (name, module)
+        for name, module in transformer.named_modules()
+        if hasattr(module, "set_processor") and hasattr(module, "processor")
+    ]
     for name, module in layers:
         kind = type(module.processor).__name__
         if kind not in PROCESSORS:

@@ -49,8 +49,8 @@ QWEN_CHAT_TEMPLATE = (
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte-to-unicode table, in byte order (the symbols a byte-level BPE sees)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars, extra = {}, 0
     for byte in range(256):
@@ -83,7 +83,10 @@ def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right")
 
     vocab = {sym: i for i, sym in enumerate(_byte_alphabet())}
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=[], model_max_length=model_max_length, padding_side=padding_side,
+        vocab=vocab,
+        merges=[],
+        model_max_length=model_max_length,
+        padding_side=padding_side,
         additional_special_tokens=QWEN_SPECIAL[1:],
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE

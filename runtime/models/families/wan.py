@@ -35,22 +35,49 @@ def build_tiny_wan():
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tokenizers.t5_tokenizer()
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=tokenizers.T5_VOCAB_SIZE, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
-    ))
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=tokenizers.T5_VOCAB_SIZE,
+            d_model=TEXT_DIM,
+            d_kv=16,
+            d_ff=64,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            dropout_rate=0.0,
+        )
+    )
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-        text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=1024,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        rope_max_seq_len=1024,
     )
     vae = AutoencoderKLWan(
-        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
     )
     scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
     )
     return WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+        tokenizer=tokenizer,
+        text_encoder=text_encoder.eval(),
+        vae=vae.eval(),
+        scheduler=scheduler,
         transformer=transformer.eval(),
     )
 
@@ -80,7 +107,8 @@ class WanT2VPipeline(DiffusersBatchPipeline):
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
     honoured_settings = (
-        DiffusersBatchPipeline.honoured_settings | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
+        DiffusersBatchPipeline.honoured_settings
+        | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
         | SEQUENCE_PARALLEL_SETTINGS
     )
     """Also the parallel decode settings, which ``wan_decode.install`` reads; the other ``--vae-config.*``
@@ -101,7 +129,11 @@ class WanT2VPipeline(DiffusersBatchPipeline):
 
     def call_kwargs(self, params) -> dict:
         return dict(
-            width=params.width, height=params.height, num_frames=params.num_frames,
-            num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-            max_sequence_length=self.max_sequence_length, output_type="pt",
+            width=params.width,
+            height=params.height,
+            num_frames=params.num_frames,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            output_type="pt",
         )

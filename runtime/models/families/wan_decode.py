@@ -110,8 +110,18 @@ ROW_DIM = 3
 """The row dim of ``BCTHW`` tensors (``x_NCHW``: 2)."""
 
 _ROW_LOCAL = (
-    WanDecoder3d, WanMidBlock, WanResidualBlock, WanUpBlock, WanResidualUpBlock, WanRMS_norm, DupUp3D,
-    nn.Sequential, nn.ModuleList, nn.Identity, nn.Dropout, nn.SiLU,
+    WanDecoder3d,
+    WanMidBlock,
+    WanResidualBlock,
+    WanUpBlock,
+    WanResidualUpBlock,
+    WanRMS_norm,
+    DupUp3D,
+    nn.Sequential,
+    nn.ModuleList,
+    nn.Identity,
+    nn.Dropout,
+    nn.SiLU,
 )
 """Decoder module types that only pass rows through, row by row (containers, per-pixel ops)."""
 
@@ -143,8 +153,9 @@ def _causal_conv_hook(halo: int, group):
         cache_BCTHW = rest[0] if rest else kwargs.get("cache_x")
         if cache_BCTHW is not None and module._padding[4] > 0:  # the layer prepends the cache in time
             cached = cache_BCTHW.shape[2]
-            both = halo_exchange(torch.cat([cache_BCTHW.to(x_BCTHW.device), x_BCTHW], dim=2), dim=ROW_DIM,
-                                 halo=halo, group=group)
+            both = halo_exchange(
+                torch.cat([cache_BCTHW.to(x_BCTHW.device), x_BCTHW], dim=2), dim=ROW_DIM, halo=halo, group=group
+            )
             cache_BCTHW, x_BCTHW = both[:, :, :cached], both[:, :, cached:]
         else:
             x_BCTHW = halo_exchange(x_BCTHW, dim=ROW_DIM, halo=halo, group=group)
@@ -204,8 +215,10 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
             full_frame.append(name)
         elif isinstance(module, WanUpsample):
             if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
-                raise RuntimeError(f"Wan spatial-shard decode expects a nearest-exact x2 upsample at {name!r}, "
-                                   f"got {module.mode} x{module.scale_factor}")
+                raise RuntimeError(
+                    f"Wan spatial-shard decode expects a nearest-exact x2 upsample at {name!r}, "
+                    f"got {module.mode} x{module.scale_factor}"
+                )
         elif isinstance(module, WanResample):
             if module.mode not in ("upsample2d", "upsample3d"):
                 raise RuntimeError(f"Wan spatial-shard decode cannot shard a {module.mode} resample at {name!r}")

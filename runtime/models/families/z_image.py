@@ -30,24 +30,54 @@ def build_tiny_z_image():
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = tokenizers.qwen_tokenizer()
-    text_encoder = Qwen3Model(Qwen3Config(
-        vocab_size=tokenizers.QWEN_VOCAB_SIZE, hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=tokenizers.QWEN_VOCAB_SIZE,
+            hidden_size=TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=2048,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     transformer = ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=1, n_refiner_layers=1,
-        n_heads=2, n_kv_heads=2, cap_feat_dim=TEXT_DIM, axes_dims=[4, 6, 6], axes_lens=[512, 128, 128],
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=32,
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=TEXT_DIM,
+        axes_dims=[4, 6, 6],
+        axes_lens=[512, 128, 128],
     )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
     return ZImagePipeline(
-        scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+        scheduler=scheduler,
+        vae=vae.eval(),
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
         transformer=transformer.eval(),
     )
 
@@ -110,6 +140,10 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
 
     def call_kwargs(self, params) -> dict:
         return dict(
-            width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale, max_sequence_length=self.max_sequence_length, output_type="pt",
+            width=params.width,
+            height=params.height,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            output_type="pt",
         )

@@ -150,8 +150,7 @@ def decode_whole_tiles(
     def produce(chunk: int) -> torch.Tensor:
         return decode(chunks[chunk][1])
 
-    return blend_rounds(produce, chunk_tiles, plan, num_frames, group=group, device=device,
-                        between_rounds=cancel_point)
+    return blend_rounds(produce, chunk_tiles, plan, num_frames, group=group, device=device, between_rounds=cancel_point)
 
 
 def decode_serial(

@@ -88,9 +88,7 @@ def _load_model(cls, folder: Path, name: str, dtype: torch.dtype):
     if not folder.is_dir():
         raise ValueError(f"{name}: component folder {folder} is missing")
     try:
-        model, info = cls.from_pretrained(
-            str(folder), dtype=dtype, output_loading_info=True, local_files_only=True
-        )
+        model, info = cls.from_pretrained(str(folder), dtype=dtype, output_loading_info=True, local_files_only=True)
     except (ValueError, RuntimeError, OSError, KeyError, TypeError) as exc:
         raise ValueError(f"{name}: cannot load {cls.__name__} from {folder}: {exc}") from exc
     problems = []
@@ -130,7 +128,8 @@ def _check_scheduler(scheduler, transformer) -> None:
             )
         logger.warning(
             "scheduler: %s with a velocity head is a non-distilled checkpoint; it needs more than the "
-            "distilled 2 steps (set num_inference_steps)", kind
+            "distilled 2 steps (set num_inference_steps)",
+            kind,
         )
     else:
         raise ValueError(f"scheduler: {kind} is not supported for k6sr (expected PiflowScheduler)")
@@ -140,9 +139,7 @@ def _check_components(transformer, vae, upscaler) -> None:
     latent_channels = int(vae.config.latent_channels)
     in_dim = int(transformer.config.in_visual_dim)
     if in_dim != latent_channels:
-        raise ValueError(
-            f"transformer in_visual_dim {in_dim} does not match vae latent_channels {latent_channels}"
-        )
+        raise ValueError(f"transformer in_visual_dim {in_dim} does not match vae latent_channels {latent_channels}")
     if upscaler is not None and int(upscaler.config.in_channels) != latent_channels:
         raise ValueError(
             f"latent_upscaler in_channels {upscaler.config.in_channels} does not match "
@@ -196,7 +193,10 @@ def load_components(model_dir: str | Path, *, device: torch.device | str, dtype:
     _check_components(transformer, vae, upscaler)
 
     scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json", "scheduler")
-    scheduler_classes = {"PiflowScheduler": PiflowScheduler, "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler}
+    scheduler_classes = {
+        "PiflowScheduler": PiflowScheduler,
+        "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler,
+    }
     scheduler_name = scheduler_config.get("_class_name")
     if scheduler_name not in scheduler_classes:
         raise ValueError(f"scheduler: {scheduler_name} is not supported for k6sr (expected PiflowScheduler)")
@@ -212,8 +212,12 @@ def load_components(model_dir: str | Path, *, device: torch.device | str, dtype:
         upscaler.to(device)
     logger.info(
         "loaded k6sr from %s: %d DiT blocks, model_dim %d, %s, %s on %s",
-        root, transformer.config.num_visual_blocks, transformer.config.model_dim,
-        scheduler_name, dtype, device,
+        root,
+        transformer.config.num_visual_blocks,
+        transformer.config.model_dim,
+        scheduler_name,
+        dtype,
+        device,
     )
     return K6SRComponents(
         transformer=transformer,

@@ -72,9 +72,7 @@ def parse_target_resolution(value: str | None) -> tuple[int, int] | None:
     return width, height
 
 
-def target_size(
-    width: int, height: int, box: tuple[int, int] | None, mode: str
-) -> tuple[tuple[int, int], bool]:
+def target_size(width: int, height: int, box: tuple[int, int] | None, mode: str) -> tuple[tuple[int, int], bool]:
     """Final ``(width, height)`` of an output of ``width`` x ``height`` for an optional target box.
 
     Never upscales: ``fit`` scales by ``min(box_w / width, box_h / height, 1)`` keeping the aspect

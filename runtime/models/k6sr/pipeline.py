@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from tilecast.runtime.allowed_files import open_allowed
 from tilecast.runtime.models.k6sr import video_io
-from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.models.k6sr.attention import install_dense_attention
+from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.models.k6sr.loading import K6SRComponents, load_components, parse_dtype
 from tilecast.runtime.models.k6sr.params import (
     SRParams,
@@ -60,8 +60,8 @@ from tilecast.runtime.models.k6sr.stages import (
 from tilecast.runtime.models.k6sr.tile_parallel import TileWork
 from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
 from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
-from tilecast.runtime.placement import AppliedPlacement, apply_placement
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
+from tilecast.runtime.placement import AppliedPlacement, apply_placement
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +100,24 @@ class K6SRPipeline(Pipeline):
     params_type: ClassVar[type[msgspec.Struct]] = SRParams
     upload_fields: ClassVar[tuple[str, ...]] = ("video",)
     max_batch_size: ClassVar[int] = 1
-    honoured_settings: ClassVar[frozenset[str]] = frozenset({
-        "dtype", "allowed_video_dirs", "attention_backend", "tp_size", "ulysses_degree", "ring_degree", "vae",
-        "tile_parallel", "compile", "layerwise_offload_components", "cpu_offload_components",
-        "dit_offload_prefetch_size", "dit_layerwise_resident_layers", "use_fsdp_inference",
-    })
+    honoured_settings: ClassVar[frozenset[str]] = frozenset(
+        {
+            "dtype",
+            "allowed_video_dirs",
+            "attention_backend",
+            "tp_size",
+            "ulysses_degree",
+            "ring_degree",
+            "vae",
+            "tile_parallel",
+            "compile",
+            "layerwise_offload_components",
+            "cpu_offload_components",
+            "dit_offload_prefetch_size",
+            "dit_layerwise_resident_layers",
+            "use_fsdp_inference",
+        }
+    )
     unsupported_reasons: ClassVar[dict[str, str]] = {
         "quantize": "its DiT is attention-bound, so its linear layers run in --dtype",
         "cuda_graphs": "one DiT call is seconds of GPU work, so there is no launch overhead to remove",
@@ -189,7 +202,10 @@ class K6SRPipeline(Pipeline):
         if clamped:
             logger.warning(
                 "sr_target_resolution %s is larger than the %dx%d output on some axis; exact mode never "
-                "upscales, so that axis keeps its size", params.sr_target_resolution, out_w, out_h,
+                "upscales, so that axis keeps its size",
+                params.sr_target_resolution,
+                out_w,
+                out_h,
             )
 
     # ------------------------------------------------------------------- run
@@ -197,7 +213,11 @@ class K6SRPipeline(Pipeline):
         return [self._run_one(item, ctx) for item in items]
 
     def upscale_frames(
-        self, frames_FHWC: torch.Tensor, params: SRParams, *, ctx: RankContext | None = None,
+        self,
+        frames_FHWC: torch.Tensor,
+        params: SRParams,
+        *,
+        ctx: RankContext | None = None,
         timings: dict[str, float] | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Frames in, float ``video_BCFHW`` in ``[-1, 1]`` out (before target resize and quantisation).
@@ -205,8 +225,13 @@ class K6SRPipeline(Pipeline):
         on_progress = ctx.progress if ctx is not None else None
         video_BCFHW = frames_to_video(frames_FHWC, self.parts.device)
         return upscale_video(
-            self.parts, video_BCFHW, settings_of(params), on_progress=on_progress, timings=timings,
-            tile_work=self.tile_work, hooks=ctx if ctx is not None else NO_HOOKS,
+            self.parts,
+            video_BCFHW,
+            settings_of(params),
+            on_progress=on_progress,
+            timings=timings,
+            tile_work=self.tile_work,
+            hooks=ctx if ctx is not None else NO_HOOKS,
         )
 
     def _run_one(self, item: WorkItem, ctx: RankContext) -> Output:
@@ -256,6 +281,11 @@ class K6SRPipeline(Pipeline):
         output.info["timings"] = {key: round(value, 4) for key, value in timings.items()}
         logger.info(
             "k6sr job %s: %dx%d x%d frames, %d tiles, %s",
-            item.job_id, width, height, frames_FHWC.shape[0], plan.num_tiles, output.info["timings"],
+            item.job_id,
+            width,
+            height,
+            frames_FHWC.shape[0],
+            plan.num_tiles,
+            output.info["timings"],
         )
         return output

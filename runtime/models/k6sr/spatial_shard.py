@@ -105,9 +105,7 @@ def _causal_conv_forward(module: Kandinsky6SRCausalConv3d, group) -> Callable:
         if offset_out < output_frames:
             output[:, :, offset_out:] = self.conv(hidden_states[:, :, offset_in:])
 
-        pad_offset = (
-            offset_in + stride * math.trunc((num_frames - offset_in - self.time_kernel_size) / stride) + stride
-        )
+        pad_offset = offset_in + stride * math.trunc((num_frames - offset_in - self.time_kernel_size) / stride) + stride
         if pad_offset < 0:
             cache["padding"] = torch.cat([padding[:, :, pad_offset:], hidden_states], dim=2)
         else:

@@ -80,8 +80,9 @@ class StepCounter:
     """Counts DiT steps and reports ``(done, total)`` to ``on_progress`` after each one, then calls
     ``after_step`` (a cancel point, where every rank takes the same steps)."""
 
-    def __init__(self, total: int, on_progress: StepCallback | None,
-                 after_step: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, total: int, on_progress: StepCallback | None, after_step: Callable[[], None] | None = None
+    ) -> None:
         self.total, self.on_progress, self.after_step, self.done = total, on_progress, after_step, 0
 
     def __call__(self) -> None:
@@ -157,8 +158,9 @@ def encode_video(parts: K6SRComponents, video_BCFHW: torch.Tensor) -> torch.Tens
     return latents_BCTHW * vae.config.scaling_factor
 
 
-def decode_latents(parts: K6SRComponents, latents_BCTHW: torch.Tensor,
-                   alive: Callable[[], None] | None = None) -> torch.Tensor:
+def decode_latents(
+    parts: K6SRComponents, latents_BCTHW: torch.Tensor, alive: Callable[[], None] | None = None
+) -> torch.Tensor:
     """Decode scaled latents to a float32 ``[-1, 1]`` video. ``alive`` is called per block of
     tilecast's decoder (diffusers' decode beats through ``RunHooks.alive_during`` on the VAE)."""
     vae = parts.vae
@@ -189,7 +191,10 @@ def make_plan(parts: K6SRComponents, height: int, width: int, settings: SRSettin
 
 
 def low_res_tiles(
-    parts: K6SRComponents, video_BCFHW: torch.Tensor, plan: TilePlan, timings: dict[str, float] | None = None,
+    parts: K6SRComponents,
+    video_BCFHW: torch.Tensor,
+    plan: TilePlan,
+    timings: dict[str, float] | None = None,
     hooks: RunHooks = NO_HOOKS,
 ) -> torch.Tensor:
     """Low-resolution latent tiles at the trained tile size: ``tiles_NCTHW`` (batch 1) in ``parts.dtype``.
@@ -209,7 +214,9 @@ def low_res_tiles(
         started = time.perf_counter()
         with on_device(upscaler):  # component offload: the stage moves it once, not per tile
             for top, left in plan.grid:
-                crop = latents_BCTHW[:, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap]
+                crop = latents_BCTHW[
+                    :, :, :, top // snap : (top + tile_h) // snap, left // snap : (left + tile_w) // snap
+                ]
                 tiles.append(upscaler(crop, scale=plan.tiling_scale, return_dict=False)[0])
                 hooks.alive()
     else:
@@ -248,8 +255,14 @@ class NoiseAhead:
     denoised, so the GPU does not wait for the CPU's draw. The values are ``chunk_noise``'s; on CUDA they are drawn into pinned memory and copied
     without a device sync. ``take`` must be called in ``order``."""
 
-    def __init__(self, tiles_NCTHW: torch.Tensor, ranges: list[range], order: list[int], settings: SRSettings,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        tiles_NCTHW: torch.Tensor,
+        ranges: list[range],
+        order: list[int],
+        settings: SRSettings,
+        device: torch.device,
+    ) -> None:
         self._pin = torch.device(device).type == "cuda"
         self._device, self._dtype, self._seed = device, tiles_NCTHW.dtype, settings.seed
         self._tile_shape = tuple(tiles_NCTHW.shape[i] for i in (2, 3, 4, 1))  # the DiT's T, H, W, C
@@ -297,8 +310,12 @@ def piflow_schedule(scheduler, num_inference_steps: int) -> list[piflow.PiflowSt
     raw.append(float(torch.tensor(twin.eps, dtype=torch.float32)))  # diffusers' end point of the last step
     return [
         piflow.PiflowStep(
-            sigma_src=float(twin.sigmas[index]), raw_src=raw[index], raw_dst=raw[index + 1],
-            shift=float(twin.config.shift), eps=twin.eps, n_grid=twin.n_grid,
+            sigma_src=float(twin.sigmas[index]),
+            raw_src=raw[index],
+            raw_dst=raw[index + 1],
+            shift=float(twin.config.shift),
+            eps=twin.eps,
+            n_grid=twin.n_grid,
             num_policy_substeps=twin.num_policy_substeps,
         )
         for index in range(num_inference_steps)
@@ -331,7 +348,9 @@ def denoise_chunk(
             anchor = torch.zeros_like(latents)
             anchor_mask = torch.zeros((*latents.shape[:-1], 1), dtype=dtype, device=device)
             model_input = torch.cat([latents, anchor, anchor_mask], dim=-1)
-            prediction = parts.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False)[0]
+            prediction = parts.transformer(
+                hidden_states=model_input, timestep=t.expand(latents.shape[0]), return_dict=False
+            )[0]
             if policy is not None:
                 latents = piflow.rollout(latents, prediction, policy[index])
             else:
@@ -342,8 +361,12 @@ def denoise_chunk(
 
 
 def denoise_tile_range(
-    parts: K6SRComponents, tiles_NCTHW: torch.Tensor, indices: range, settings: SRSettings,
-    on_step: Callable[[], None] | None = None, noise: torch.Tensor | None = None,
+    parts: K6SRComponents,
+    tiles_NCTHW: torch.Tensor,
+    indices: range,
+    settings: SRSettings,
+    on_step: Callable[[], None] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Denoise the tiles ``indices`` of ``tiles_NCTHW`` in one chunk: their ``latents_BCTHW``."""
     latents_BTHWC = denoise_chunk(
@@ -379,7 +402,10 @@ def denoise_tiles(
 
 
 def decode_and_blend(
-    parts: K6SRComponents, chunks: list[tuple[range, torch.Tensor]], plan: TilePlan, num_frames: int,
+    parts: K6SRComponents,
+    chunks: list[tuple[range, torch.Tensor]],
+    plan: TilePlan,
+    num_frames: int,
     hooks: RunHooks = NO_HOOKS,
 ) -> torch.Tensor:
     """Decode the denoised chunks one at a time and Hann-blend them: ``video_BCFHW`` in ``[-1, 1]``.
@@ -444,7 +470,14 @@ def upscale_video(
         if tile_work is not None and tile_work.is_parallel:
             # Whole-tile / spatial-shard decode, tile-parallel denoise (runtime/models/k6sr/tile_parallel.py).
             video_BCFHW = tile_work.run(
-                parts, tiles_NCTHW, settings, plan, num_frames, on_progress=on_progress, timings=timings, hooks=hooks,
+                parts,
+                tiles_NCTHW,
+                settings,
+                plan,
+                num_frames,
+                on_progress=on_progress,
+                timings=timings,
+                hooks=hooks,
             )
         else:
             started = time.perf_counter()

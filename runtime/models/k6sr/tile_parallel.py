@@ -158,14 +158,23 @@ class TileWork:
         decode = _bind_decode(stages, parts, hooks.alive)
         started = time.perf_counter()
         if self.tile_parallel:
+
             def spatial_decode(latents_BCTHW: torch.Tensor) -> torch.Tensor:
                 return decode_spatial_shard(decode, parts.vae.decoder, latents_BCTHW, self.unit_group)
 
             unit_decode = spatial_decode if self.decode_mode == "spatial_shard" and self.unit_size > 1 else decode
 
             video = denoise_decode_tile_parallel(
-                parts, tiles_NCTHW, settings, plan, num_frames, decode=unit_decode, group=self.group,
-                unit_size=self.unit_size, on_progress=on_progress, cancel_point=hooks.cancel_point,
+                parts,
+                tiles_NCTHW,
+                settings,
+                plan,
+                num_frames,
+                decode=unit_decode,
+                group=self.group,
+                unit_size=self.unit_size,
+                on_progress=on_progress,
+                cancel_point=hooks.cancel_point,
             )
             timings["denoise"], timings["decode"] = time.perf_counter() - started, 0.0
             return video
@@ -173,8 +182,15 @@ class TileWork:
         timings["denoise"] = time.perf_counter() - started
         started = time.perf_counter()
         video = decode_chunks(
-            decode, parts.vae.decoder, chunks, plan, num_frames, mode=self.decode_mode, group=self.group,
-            device=parts.device, cancel_point=hooks.cancel_point,
+            decode,
+            parts.vae.decoder,
+            chunks,
+            plan,
+            num_frames,
+            mode=self.decode_mode,
+            group=self.group,
+            device=parts.device,
+            cancel_point=hooks.cancel_point,
         )
         timings["decode"] = time.perf_counter() - started
         return video
@@ -202,8 +218,9 @@ def decode_chunks(
     """Decode replicated denoised ``chunks`` in ``mode`` and blend: ``video_BCFHW`` on every rank.
     ``cancel_point`` runs after each chunk (serial, spatial shard) or round (whole tile)."""
     if mode == "whole_tile":
-        return decode_whole_tiles(decode, chunks, plan, num_frames, group=group, device=device,
-                                  cancel_point=cancel_point)
+        return decode_whole_tiles(
+            decode, chunks, plan, num_frames, group=group, device=device, cancel_point=cancel_point
+        )
     if mode == "spatial_shard":
 
         def decode_sharded(latents_BCTHW: torch.Tensor) -> torch.Tensor:
@@ -256,9 +273,17 @@ def denoise_decode_tile_parallel(
 
         if serial:
             decoded = ((ranges[chunk], produce(chunk)) for chunk in own)
-            return decode_serial(lambda video: video, decoded, plan, num_frames, device=parts.device,
-                                 cancel_point=cancel_point)
+            return decode_serial(
+                lambda video: video, decoded, plan, num_frames, device=parts.device, cancel_point=cancel_point
+            )
         return blend_rounds(
-            produce, ranges, plan, num_frames, group=group, device=parts.device, overlap=True, unit_size=unit_size,
+            produce,
+            ranges,
+            plan,
+            num_frames,
+            group=group,
+            device=parts.device,
+            overlap=True,
+            unit_size=unit_size,
             between_rounds=cancel_point,
         )

@@ -66,15 +66,21 @@ def _as_ncdhw(x_BTHWC: torch.Tensor) -> torch.Tensor:
     return x_BTHWC.permute(0, 4, 1, 2, 3)
 
 
-def conv(x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None,
-         *, bias: bool = True) -> torch.Tensor:
+def conv(
+    x_BTHWC: torch.Tensor, layer: nn.Conv3d, padding: tuple[int, int, int] | None = None, *, bias: bool = True
+) -> torch.Tensor:
     """``layer`` applied to a ``BTHWC`` tensor (``padding`` overrides the layer's own). ``bias=False``
     leaves the bias out, for the caller to add in a pass it makes anyway (``add_bias_``, or the
     next spatial norm)."""
     if layer.kernel_size == (1, 1, 1) and layer.stride == (1, 1, 1):
         return F.linear(x_BTHWC, layer.weight.flatten(1), layer.bias if bias else None)
-    y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), layer.weight, layer.bias if bias else None, layer.stride,
-                       layer.padding if padding is None else padding)
+    y_BCTHW = F.conv3d(
+        _as_ncdhw(x_BTHWC),
+        layer.weight,
+        layer.bias if bias else None,
+        layer.stride,
+        layer.padding if padding is None else padding,
+    )
     return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
 
 
@@ -160,8 +166,9 @@ class ChannelsLastDecoder:
                 h = self._beat(self._resnet(block, h, z_BTHWC, first))
             if hasattr(up, "upsample"):
                 h = self._beat(self._upsample(up.upsample, h, first))
-        return add_bias_(self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first),
-                         decoder.conv_out.conv.bias)
+        return add_bias_(
+            self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first), decoder.conv_out.conv.bias
+        )
 
     def _beat(self, h_BTHWC: torch.Tensor) -> torch.Tensor:
         """``h`` unchanged, after telling ``decode``'s ``alive`` that a block is done."""
@@ -177,7 +184,7 @@ class ChannelsLastDecoder:
         tensor writes it into ``body`` (no concatenation)."""
         batch, frames, height, width, channels = like.shape if shape is None else shape
         buffer = like.new_empty(batch, layer.time_pad + frames, height, width, channels)
-        return buffer, buffer[:, layer.time_pad:]
+        return buffer, buffer[:, layer.time_pad :]
 
     def _causal_conv_buffer(self, layer: Kandinsky6SRCausalConv3d, buffer: torch.Tensor, first: bool) -> torch.Tensor:
         """Convolve a filled ``_causal_input`` buffer: causal along time (the first segment repeats its
@@ -186,7 +193,7 @@ class ChannelsLastDecoder:
         pad = layer.time_pad
         if pad:
             if first:  # the first frame, repeated
-                repeat_nearest(buffer[:, pad:pad + 1], pad, 1, 1, out=buffer[:, :pad])
+                repeat_nearest(buffer[:, pad : pad + 1], pad, 1, 1, out=buffer[:, :pad])
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
@@ -198,8 +205,15 @@ class ChannelsLastDecoder:
         body.copy_(x_BTHWC)
         return self._causal_conv_buffer(layer, buffer, first)
 
-    def _norm_silu_conv(self, norm: Kandinsky6SRSpatialNorm3D, layer: Kandinsky6SRCausalConv3d, h_BTHWC: torch.Tensor,
-                        zq_BTHWC: torch.Tensor, first: bool, h_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _norm_silu_conv(
+        self,
+        norm: Kandinsky6SRSpatialNorm3D,
+        layer: Kandinsky6SRCausalConv3d,
+        h_BTHWC: torch.Tensor,
+        zq_BTHWC: torch.Tensor,
+        first: bool,
+        h_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``layer(silu(norm(h + h_bias, zq)))`` without ``layer``'s bias, the norm written straight into
         the convolution's input."""
         buffer, body = self._causal_input(layer, h_BTHWC)
@@ -207,8 +221,13 @@ class ChannelsLastDecoder:
         return self._causal_conv_buffer(layer, buffer, first)
 
     def _spatial_norm_silu(
-        self, norm: Kandinsky6SRSpatialNorm3D, h_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool,
-        out: torch.Tensor | None = None, h_bias: torch.Tensor | None = None,
+        self,
+        norm: Kandinsky6SRSpatialNorm3D,
+        h_BTHWC: torch.Tensor,
+        zq_BTHWC: torch.Tensor,
+        first: bool,
+        out: torch.Tensor | None = None,
+        h_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``silu(norm(h, zq))`` with ``zq``'s 1x1 convolutions at latent resolution."""
         _, frames, height, width, _ = h_BTHWC.shape

@@ -229,7 +229,12 @@ def read_clip(source: VideoSource) -> SourceClip:
         raise ValueError(f"{name} could not be decoded: {exc}") from exc
     logger.debug(
         "read %s: %d of %d frames at %.3f fps -> %s fps, audio=%s",
-        name, len(indices), num_decoded, source_fps, fps, audio_S is not None,
+        name,
+        len(indices),
+        num_decoded,
+        source_fps,
+        fps,
+        audio_S is not None,
     )
     return SourceClip(
         frames_FHWC=frames_FHWC,
