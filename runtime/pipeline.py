@@ -191,6 +191,21 @@ class Pipeline(ABC):
     model_name: str = ""
     """The model path or id this pipeline was loaded from (used in batching rules)."""
 
+    # How ``--model-path`` reaches this pipeline (``runtime/registry.py`` reads these; nothing else
+    # lists the pipelines).
+    builtin_name: ClassVar[str | None] = None
+    """Built-in ``--model-path`` this pipeline serves without a directory (``tiny/flux``, ``test/allreduce``)."""
+    diffusers_class: ClassVar[str | None] = None
+    """``model_index.json`` ``_class_name`` of the checkpoints it serves (``FluxPipeline``, ...)."""
+    model_id_hints: ClassVar[tuple[str, ...]] = ()
+    """Substrings of a model id (``--model-id``, or the directory name) that name it, case-insensitively."""
+
+    @classmethod
+    def ensure_builtin(cls, cache_dir: Path | None = None) -> Path | None:
+        """Generate (or verify) the checkpoint ``builtin_name`` names and return its directory; None
+        when the built-in has none on disk. The launcher calls it on one process before the ranks start."""
+        return None
+
     @classmethod
     @abstractmethod
     def load(cls, model_path: str, ctx: RankContext) -> "Pipeline":

@@ -46,6 +46,7 @@ class ProbeParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class AllReducePipeline(Pipeline):
     family = "probe"
     task = "probe"
+    builtin_name = "test/allreduce"
     params_type = ProbeParams
     max_batch_size = 8
     per_request_fields = ("seed",)

@@ -91,3 +91,47 @@ def test_model_id_keeps_sr_routing_for_a_renamed_checkpoint(tmp_path):
         resolve_pipeline(str(renamed))
     assert resolve_pipeline(str(renamed), "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers") is K6SRPipeline
     assert resolve_pipeline(str(ensure_tiny_k6sr())) is K6SRPipeline
+
+
+NEW_FAMILY = """
+from pathlib import Path
+
+from tilecast.runtime.probe import AllReducePipeline
+
+
+class EchoPipeline(AllReducePipeline):
+    family = "echo"
+    builtin_name = "tiny/echo"
+    diffusers_class = "EchoDiffusionPipeline"
+    model_id_hints = ("Echo-1",)
+
+    @classmethod
+    def ensure_builtin(cls, cache_dir=None):
+        return Path(__file__).parent / "echo-checkpoint"
+"""
+
+
+def test_a_declared_pipeline_is_routed_from_its_declaration_alone(tmp_path, monkeypatch):
+    """One line in PIPELINES plus the class's declaration: built-in name, checkpoint directories of
+    its diffusers class, model-id hints and the pre-launch checkpoint all reach it; nothing else lists it."""
+    from tilecast.runtime import registry
+
+    (tmp_path / "echo_family.py").write_text(NEW_FAMILY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "PIPELINES", (*registry.PIPELINES, "echo_family:EchoPipeline"))
+    registry.pipelines.cache_clear()
+    try:
+        echo = registry.resolve_pipeline("tiny/echo")
+        assert echo.__name__ == "EchoPipeline"
+        checkpoint = tmp_path / "some-checkpoint"
+        checkpoint.mkdir()
+        (checkpoint / "model_index.json").write_text(json.dumps({"_class_name": "EchoDiffusionPipeline"}))
+        assert registry.resolve_pipeline(str(checkpoint)) is echo
+        (checkpoint / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline"}))
+        assert registry.resolve_pipeline(str(checkpoint), "org/Echo-1-large") is echo
+        assert registry.ensure_builtin_checkpoint("tiny/echo") == tmp_path / "echo-checkpoint"
+        assert registry.ensure_builtin_checkpoint("random/flux") is None  # drawn at load, nothing on disk
+        with pytest.raises(ValueError, match="tiny/echo"):
+            registry.resolve_pipeline("tiny/no-such-model")
+    finally:
+        registry.pipelines.cache_clear()

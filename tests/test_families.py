@@ -15,24 +15,17 @@ import msgspec
 import pytest
 import torch
 
-from tests.harness import make_context
+from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
-from tilecast.runtime.models.families.flux import TINY_FLUX, FluxT2IPipeline
-from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
-from tilecast.runtime.models.families.wan import WanT2VPipeline
-from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
+from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
 BATCH_TOL = 1e-4
 """Max abs difference between a request's batched and singleton fp32 output."""
 
-FAMILIES = {
-    "tiny/flux": FluxT2IPipeline,
-    "tiny/qwen-image": QwenImageT2IPipeline,
-    "tiny/z-image-turbo": ZImageT2IPipeline,
-    "tiny/wan2.1-t2v": WanT2VPipeline,
-}
+FAMILIES = tiny_families()
+"""Built-in name → family class: FLUX, Qwen-Image, Z-Image-Turbo, Wan2.1 T2V and any family declared later."""
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,13 @@ import pytest
 import torch
 
 from tests.distributed import one_thread, run_ranks
+from tests.harness import tiny_families
 
 SP_TOL = 1e-4
 """Max abs difference between a request's output in an SP batch and its 1-rank singleton output."""
 
-FAMILIES = {
-    "tiny/flux": "tilecast.runtime.models.families.flux:FluxT2IPipeline",
-    "tiny/qwen-image": "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
-    "tiny/z-image-turbo": "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
-    "tiny/wan2.1-t2v": "tilecast.runtime.models.families.wan:WanT2VPipeline",
-}
+FAMILIES = {name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items()}
+"""Built-in name → ``"module:Class"`` of every tiny diffusers family (what the ranks import)."""
 
 REQUESTS = (
     dict(prompt="a red cat on a mat", seed=1),

@@ -15,7 +15,7 @@ import pytest
 
 from tests.distributed import run_ranks
 from tilecast.runtime.cache import MARKER, check_model_dir, check_structure
-from tilecast.runtime.models.families.flux import TINY_FLUX, ensure_tiny_flux
+from tilecast.runtime.models.families.flux import TINY_FLUX
 
 TEXT_ENCODER_WEIGHTS = ("text_encoder/model.safetensors", "text_encoder_2/model.safetensors")
 
@@ -65,7 +65,7 @@ def _build_on_rank(rank: int, world_size: int, cache: str) -> int:
     logging.getLogger("tilecast.runtime.cache").setLevel(logging.INFO)
     if rank == 0:
         time.sleep(1.0)  # arrives while rank 1 is building
-    directory = ensure_tiny_flux(Path(cache))
+    directory = TINY_FLUX.ensure(Path(cache))
     assert directory == Path(cache) / "models" / TINY_FLUX.name
     return counter.built
 
@@ -126,12 +126,12 @@ def _weightless_legacy(directory: Path) -> None:
     ],
 )
 def test_a_broken_cache_is_detected_logged_and_rebuilt(tmp_path, reference, damage, fault, caplog):
-    directory = ensure_tiny_flux(tmp_path)
+    directory = TINY_FLUX.ensure(tmp_path)
     assert check_model_dir(directory) is None
     damage(directory)
     assert fault in check_model_dir(directory)
     with caplog.at_level(logging.WARNING, logger="tilecast.runtime.cache"):
-        again = ensure_tiny_flux(tmp_path)
+        again = TINY_FLUX.ensure(tmp_path)
     assert again == directory
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(directory) in w and fault in w for w in warnings), warnings

@@ -195,9 +195,9 @@ def _pipeline_rank(rank, world_size, cache):
 
 
 def test_wan_pipeline_decodes_in_parallel_on_two_ranks(tiny_cache):
-    from tilecast.runtime.models.families.wan import ensure_tiny_wan
+    from tilecast.runtime.models.families.wan import TINY_WAN
 
-    ensure_tiny_wan(tiny_cache)  # built once here, not raced by the ranks
+    TINY_WAN.ensure(tiny_cache)  # built once here, not raced by the ranks
     results = run_ranks(_pipeline_rank, 2, str(tiny_cache), timeout=TIMEOUT, preload=PRELOAD)
     for rank, result in enumerate(results):
         assert result["parallel_installed"] and not result["serial_installed"], rank

@@ -34,7 +34,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.models.families.sequence_parallel import install_for_family
+from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS, install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
 
@@ -206,9 +206,11 @@ class DiffusersBatchPipeline(Pipeline):
     """
 
     diffusers_class: ClassVar[str]
-    """Name of the diffusers pipeline class (``FluxPipeline``, ...)."""
-    checkpoint: ClassVar[TinyCheckpoint]
-    """The built-in tiny checkpoint (``tiny/<family>``)."""
+    """Name of the diffusers pipeline class (``FluxPipeline``, ...): what ``load`` builds, and what
+    routes a checkpoint directory here."""
+    checkpoint: ClassVar[TinyCheckpoint | None]
+    """The built-in tiny checkpoint ``builtin_name`` names (``tiny/<family>``); None when the built-in
+    is made at load (``random/flux``)."""
     builtin_name: ClassVar[str]
     """``tiny/<family>``."""
     size_multiple: ClassVar[int] = 16
@@ -227,7 +229,13 @@ class DiffusersBatchPipeline(Pipeline):
     cp_plan: ClassVar[Any] = None
     """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
     naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
-    (``families.sequence_parallel``). ``None``: the family runs replicated only."""
+    (``families.sequence_parallel``). ``None``: the family runs replicated only. A family with a
+    plan honours the Ulysses and Ring degrees (added to its ``honoured_settings``)."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.cp_plan is not None:
+            cls.honoured_settings = cls.honoured_settings | SEQUENCE_PARALLEL_SETTINGS
 
     def __init__(self, pipe, ctx: RankContext) -> None:
         self.pipe = pipe
@@ -236,9 +244,13 @@ class DiffusersBatchPipeline(Pipeline):
 
     # ---------------------------------------------------------------- loading
     @classmethod
+    def ensure_builtin(cls, cache_dir: Path | None = None) -> Path | None:
+        return None if cls.checkpoint is None else cls.checkpoint.ensure(cache_dir)
+
+    @classmethod
     def resolve_path(cls, model_path: str) -> Path:
         if model_path == cls.builtin_name:
-            return cls.checkpoint.ensure()
+            return cls.ensure_builtin()
         return Path(model_path)
 
     @classmethod

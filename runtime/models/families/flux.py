@@ -18,7 +18,6 @@ from typing import Callable
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
-from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +158,6 @@ def build_tiny_flux():
 TINY_FLUX = TinyCheckpoint(name="tiny-flux-v1", seed=20250701, build=build_tiny_flux, ref=f"{__name__}:TINY_FLUX")
 
 
-def ensure_tiny_flux(cache_dir=None):
-    """Directory of ``tiny/flux`` (generated on first use under ``<cache>/models/tiny-flux-v1``)."""
-    return TINY_FLUX.ensure(cache_dir)
-
-
 class FluxT2IPipeline(DiffusersBatchPipeline):
     """FLUX.1-dev T2I; a merged batch is one ``FluxPipeline`` call (see ``families.common``)."""
 
@@ -177,11 +171,7 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     size_multiple = 16
     default_guidance = 3.5
     max_sequence_length = 128
-    honoured_settings = (
-        DiffusersBatchPipeline.honoured_settings
-        | {"attention_backend", "quantize", "cuda_graphs"}
-        | SEQUENCE_PARALLEL_SETTINGS
-    )
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {"attention_backend", "quantize", "cuda_graphs"}
 
     @classmethod
     def install_fast_paths(cls, pipe, settings) -> None:

@@ -18,7 +18,6 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
-from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +110,6 @@ TINY_QWEN_IMAGE = TinyCheckpoint(
 )
 
 
-def ensure_tiny_qwen_image(cache_dir=None):
-    """Directory of ``tiny/qwen-image`` (generated on first use under ``<cache>/models/tiny-qwen-image-v1``)."""
-    return TINY_QWEN_IMAGE.ensure(cache_dir)
-
-
 class QwenImageT2IPipeline(DiffusersBatchPipeline):
     """Qwen-Image T2I; a merged batch is one ``QwenImagePipeline`` call (see ``families.common``)."""
 
@@ -126,7 +120,6 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
     checkpoint = TINY_QWEN_IMAGE
     builtin_name = "tiny/qwen-image"
     cp_plan = "diffusers:QwenImageTransformer2DModel._cp_plan"
-    honoured_settings = DiffusersBatchPipeline.honoured_settings | SEQUENCE_PARALLEL_SETTINGS
     size_multiple = 16
     default_guidance = 4.0
     max_sequence_length = 256

@@ -59,6 +59,7 @@ class RandomFluxT2IPipeline(FluxT2IPipeline):
     """``random/flux``: the FLUX family (same requests, same batching) on the released-size random model."""
 
     builtin_name = "random/flux"
+    checkpoint = None  # the weights are drawn at load, nothing is written
     max_sequence_length = 512
     """FLUX.1-dev's T5 length and diffusers' ``FluxPipeline`` default: the released workload."""
 

@@ -386,4 +386,4 @@ def install_for_family(pipe: Any, family: type, ctx: Any) -> SequenceState | Non
 
 
 SEQUENCE_PARALLEL_SETTINGS = frozenset({"ulysses_degree", "ring_degree"})
-"""The ``ServeConfig`` fields a family with a ``cp_plan`` honours (add them to its ``honoured_settings``)."""
+"""The ``ServeConfig`` fields a family with a ``cp_plan`` honours (``DiffusersBatchPipeline`` adds them)."""

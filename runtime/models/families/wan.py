@@ -19,7 +19,6 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
-from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +84,6 @@ def build_tiny_wan():
 TINY_WAN = TinyCheckpoint(name="tiny-wan2.1-t2v-v1", seed=20250704, build=build_tiny_wan, ref=f"{__name__}:TINY_WAN")
 
 
-def ensure_tiny_wan(cache_dir=None):
-    """Directory of ``tiny/wan2.1-t2v`` (generated on first use under ``<cache>/models/tiny-wan2.1-t2v-v1``)."""
-    return TINY_WAN.ensure(cache_dir)
-
-
 class WanT2VPipeline(DiffusersBatchPipeline):
     """Wan2.1 T2V; a merged batch is one ``WanPipeline`` call (see ``families.common``)."""
 
@@ -106,11 +100,10 @@ class WanT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
-    honoured_settings = (
-        DiffusersBatchPipeline.honoured_settings
-        | {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
-        | SEQUENCE_PARALLEL_SETTINGS
-    )
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {
+        "vae.use_parallel_decode",
+        "vae.parallel_decode_mode",
+    }
     """Also the parallel decode settings, which ``wan_decode.install`` reads; the other ``--vae-config.*``
     settings (K6 SR's tiles and K-VAE decoder) are refused."""
 

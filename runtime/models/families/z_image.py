@@ -16,7 +16,6 @@ import logging
 
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
-from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +114,6 @@ def z_image_cp_plan() -> dict:
     return plan
 
 
-def ensure_tiny_z_image(cache_dir=None):
-    """Directory of ``tiny/z-image-turbo`` (generated on first use under ``<cache>/models/tiny-z-image-turbo-v1``)."""
-    return TINY_Z_IMAGE.ensure(cache_dir)
-
-
 class ZImageT2IPipeline(DiffusersBatchPipeline):
     """Z-Image-Turbo T2I; a merged batch is one ``ZImagePipeline`` call (see ``families.common``)."""
 
@@ -130,7 +124,6 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
     checkpoint = TINY_Z_IMAGE
     builtin_name = "tiny/z-image-turbo"
     cp_plan = f"{__name__}:z_image_cp_plan"
-    honoured_settings = DiffusersBatchPipeline.honoured_settings | SEQUENCE_PARALLEL_SETTINGS
     size_multiple = 16
     default_guidance = 0.0
     max_sequence_length = 128

@@ -100,6 +100,9 @@ class K6SRPipeline(Pipeline):
     params_type: ClassVar[type[msgspec.Struct]] = SRParams
     upload_fields: ClassVar[tuple[str, ...]] = ("video",)
     max_batch_size: ClassVar[int] = 1
+    builtin_name: ClassVar[str] = TINY_MODEL
+    diffusers_class: ClassVar[str] = "Kandinsky6SRPipeline"
+    model_id_hints: ClassVar[tuple[str, ...]] = ("Kandinsky-6.0-VSR",)
     honoured_settings: ClassVar[frozenset[str]] = frozenset(
         {
             "dtype",
@@ -134,13 +137,17 @@ class K6SRPipeline(Pipeline):
 
     # ------------------------------------------------------------------ load
     @classmethod
+    def ensure_builtin(cls, cache_dir: Path | None = None) -> Path:
+        return ensure_tiny_k6sr(cache_dir)
+
+    @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "K6SRPipeline":
         settings = ctx.settings
         cls.check_settings(settings, model_path)
         dtype = parse_dtype(settings.resolved_dtype)
         video_io.require_encoders()
         if model_path == TINY_MODEL:
-            model_dir = ensure_tiny_k6sr(ctx.cache_dir)
+            model_dir = cls.ensure_builtin(ctx.cache_dir)
         else:
             model_dir = Path(model_path)
             if not model_dir.is_dir():
