@@ -328,9 +328,8 @@ def test_kill_9_in_one_group_fails_every_job_in_every_group(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
-    """4 ranks, 2 groups of Ulysses 2 (tiny/k6sr: the families' sequence parallelism is another
-    change). The same request on both groups gives the same frames, and one rank's within
-    tests/test_generate_topologies.py's tolerance (1 level on at most 0.1% of the values)."""
+    """4 ranks, 2 groups of Ulysses 2 on tiny/k6sr. The same request on both groups gives the same
+    frames, and one rank's within tests/test_generate_topologies.py's tolerance (1 level on at most 0.1% of the values)."""
     from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
     from tilecast.runtime.synthetic import write_test_video
@@ -376,3 +375,50 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
         alone = client.generate(timeout=240.0, **request).tensor("frames")
     diff = (first.tensor("frames").int() - alone.int()).abs()
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() <= 1e-3
+
+
+@pytest.mark.timeout(240)
+def test_dp2_by_ulysses2_flux_matches_one_rank(tiny_cache, tmp_path):
+    """4 ranks, 2 groups of Ulysses 2 on tiny/flux: each group splits the image tokens over its two
+    ranks, the groups run different requests, and every output equals one rank's within FLUX_TOL."""
+    from tilecast.runtime.config import ServeConfig
+    from tilecast.runtime.inproc import InProcessServer
+    from tilecast.runtime.models.families.flux import TINY_FLUX
+
+    TINY_FLUX.ensure(tiny_cache)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    requests = [
+        dict(prompt=f"grid {i}", seed=10 + i, num_inference_steps=2, return_tensor=True, **SMALL) for i in range(4)
+    ]
+    server = ServerProcess(
+        "--model-path",
+        "tiny/flux",
+        "--num-gpus",
+        "4",
+        "--dp-degree",
+        "2",
+        "--ulysses-degree",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
+        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1", "TILECAST_PLAN_LOG_DIR": str(plans)},
+        ready_timeout=200.0,
+    )
+    try:
+        with server.client(timeout=200.0) as client:
+            with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+                results = list(pool.map(lambda fields: client.generate(timeout=200.0, **fields), requests))
+    finally:
+        server.stop()
+    assert not server.leftovers()
+    records = _plans(plans)
+    assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}, records
+    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, output_dir=tmp_path / "one")
+    with InProcessServer(config) as one, Client(one.endpoint, timeout=120.0) as client:
+        for fields, result in zip(requests, results):
+            alone = client.generate(timeout=120.0, **fields)
+            diff = (result.tensor("image") - alone.tensor("image")).abs().max().item()
+            assert diff <= FLUX_TOL, (fields["seed"], diff)
