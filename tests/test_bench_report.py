@@ -127,6 +127,45 @@ def test_batching_report_rows_name_every_mode_and_ratio():
     assert rows[3]["merged"] == "50%" and rows[-1]["throughput (req/s)"] == "2.00x"
 
 
+def test_bench_topologies_parse_and_each_gets_its_ratios_to_one_rank():
+    from tilecast.launcher.bench.batching import BenchTopology
+
+    assert BenchTopology.parse("dp2") == BenchTopology(num_gpus=2, dp_degree=2)
+    assert BenchTopology.parse("ulysses2") == BenchTopology(num_gpus=2, ulysses_degree=2)
+    grid = BenchTopology.parse("DP2xUlysses2")
+    assert (grid.num_gpus, grid.dp_degree, grid.ulysses_degree, grid.label) == (4, 2, 2, "4 ranks dp 2 x ulysses 2")
+    for bad in ("dp", "ring2", "dp0", "dp2xdp2", ""):
+        with pytest.raises(ValueError, match="expected dp<N>"):
+            BenchTopology.parse(bad)
+
+    def server(rps):
+        return dict(
+            requests=4, errors=0, throughput_rps=rps, p50_ms=10.0, p95_ms=12.0, avg_batch_size=1.0, merged_rate=0
+        )
+
+    ratios = dict(throughput_ratio=1.0, p50_ratio=1.0, p95_ratio=1.0)
+    one = dict(topology="1 rank", singleton=server(1.0), dynamic=server(1.0), **ratios)
+    dp = dict(
+        topology="2 ranks dp 2",
+        singleton=server(2.0),
+        dynamic=server(2.0),
+        **ratios,
+        vs_one_rank={mode: dict(ratios, throughput_ratio=2.0) for mode in ("singleton", "dynamic")},
+    )
+    rows = bench_table_rows(dict(topologies=[one, dp], **ratios))
+    assert [row["mode"] for row in rows] == [
+        "1 rank: singleton",
+        "1 rank: dynamic",
+        "1 rank: ratio dynamic / singleton",
+        "2 ranks dp 2: singleton",
+        "2 ranks dp 2: dynamic",
+        "2 ranks dp 2: ratio dynamic / singleton",
+        "ratio 2 ranks dp 2 / 1 rank (singleton)",
+        "ratio 2 ranks dp 2 / 1 rank (dynamic)",
+    ]
+    assert rows[-1]["throughput (req/s)"] == "2.00x"
+
+
 @pytest.mark.timeout(60)
 def test_mounting_bench_imports_no_torch():
     code = (

@@ -190,6 +190,21 @@ class BenchTopology:
     ulysses_degree: int | None = None
     """``--ulysses-degree`` (None: not passed, the server picks it)."""
 
+    @classmethod
+    def parse(cls, text: str) -> "BenchTopology":
+        """``dp2``, ``ulysses2``, ``dp2xulysses2`` (``--topology``): the ranks are the product of the degrees."""
+        degrees: dict[str, int] = {}
+        for part in text.strip().lower().split("x"):
+            name = part.rstrip("0123456789")
+            value = part[len(name) :]
+            if name not in ("dp", "ulysses") or not value or int(value) < 1 or name in degrees:
+                raise ValueError(
+                    f"--topology {text!r}: expected dp<N>, ulysses<N> or dp<N>xulysses<N> (N >= 1), e.g. dp2xulysses2"
+                )
+            degrees[name] = int(value)
+        dp, ulysses = degrees.get("dp"), degrees.get("ulysses")
+        return cls(num_gpus=(dp or 1) * (ulysses or 1), dp_degree=dp, ulysses_degree=ulysses)
+
     @property
     def label(self) -> str:
         """``1 rank``, ``2 ranks dp 2``, ``4 ranks dp 2 x ulysses 2``."""
@@ -233,6 +248,7 @@ def run_batching_bench(
     num_gpus: int = 1,
     dp_degree: int | None = None,
     ulysses_degree: int | None = None,
+    topologies: Sequence[BenchTopology] = (),
     baseline: bool = True,
     dtype: str | None = None,
     peer: str | None = None,
@@ -243,10 +259,12 @@ def run_batching_bench(
 ) -> dict[str, Any]:
     """Run the same closed-loop traffic against a singleton and a dynamic-batching server; see the module doc.
 
-    The servers run with ``num_gpus`` ranks (``dp_degree`` / ``ulysses_degree`` passed when given);
+    The servers run with ``num_gpus`` ranks (``dp_degree`` / ``ulysses_degree`` passed when given),
+    or on each of ``topologies`` in turn (``BenchTopology.parse``; exclusive with those three);
     with ``baseline`` and more than one rank, on one rank first as well: ``results["topologies"]``
-    then has a row per topology, ``results["singleton"]``/``["dynamic"]`` stay the requested one's
-    and ``results["vs_one_rank"]`` holds its throughput and latency ratios to one rank, per mode.
+    then has a row per topology, each but the first with ``vs_one_rank`` (throughput and latency
+    ratios to one rank, per mode) and ``throughput_ratio`` (dynamic / singleton);
+    ``results["singleton"]``/``["dynamic"]``/``["vs_one_rank"]`` are the last topology's.
     ``dtype`` is passed to both servers as ``--dtype`` (their default when None). ``peer="diffusers"``
     first measures the same traffic on diffusers alone in this process (``bench.peer``)
     and adds its rows and the ratios against it.
@@ -266,11 +284,17 @@ def run_batching_bench(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if peer is not None and peer not in PEERS:
         raise ValueError(f"--peer must be one of {', '.join(PEERS)} or none, got {peer!r}")
-    if peer is not None and num_gpus != 1:
-        raise ValueError(f"--peer {peer} runs on one device; use --num-gpus 1, got {num_gpus}")
-    requested = BenchTopology(num_gpus=num_gpus, dp_degree=dp_degree, ulysses_degree=ulysses_degree)
-    requested.check()
-    topologies = [BenchTopology(), requested] if baseline and num_gpus > 1 else [requested]
+    if topologies and (num_gpus != 1 or dp_degree is not None or ulysses_degree is not None):
+        raise ValueError("--topology names the layouts itself; leave out --num-gpus, --dp-degree and --ulysses-degree")
+    requested = list(topologies) or [
+        BenchTopology(num_gpus=num_gpus, dp_degree=dp_degree, ulysses_degree=ulysses_degree)
+    ]
+    for topology in requested:
+        topology.check()
+    if peer is not None and any(topology.num_gpus != 1 for topology in requested):
+        raise ValueError(f"--peer {peer} runs on one device; measure one rank only, got {requested[-1].label}")
+    if baseline and any(topology.num_gpus > 1 for topology in requested) and requested[0] != BenchTopology():
+        requested.insert(0, BenchTopology())
     fields = {"width": width, "height": height, "num_inference_steps": steps}
     dtype_args = ["--dtype", dtype] if dtype else []
     modes = {
@@ -312,7 +336,7 @@ def run_batching_bench(
         )
         results.update({f"peer_{mode}": row for mode, row in peer_modes.items()})
     with tempfile.TemporaryDirectory(prefix="tilecast-bench-") as tmp:
-        for index, topology in enumerate(topologies):
+        for index, topology in enumerate(requested):
             row: dict[str, Any] = {"topology": topology.label, **dataclasses.asdict(topology)}
             for mode, mode_args in modes.items():
                 name = f"t{index}-{mode}"
@@ -339,22 +363,16 @@ def run_batching_bench(
                     )
                 finally:
                     server.stop()
+            row.update(_ratios(row["dynamic"], row["singleton"]))
+            if index and topology.num_gpus > 1:
+                one = results["topologies"][0]
+                row["vs_one_rank"] = {mode: _ratios(row[mode], one[mode]) for mode in modes}
             results["topologies"].append(row)
-    results.update({mode: results["topologies"][-1][mode] for mode in modes})
-    if len(results["topologies"]) > 1:
-        one = results["topologies"][0]
-        results["vs_one_rank"] = {
-            mode: {
-                "throughput_ratio": ratio(results[mode]["throughput_rps"], one[mode]["throughput_rps"]),
-                "p50_ratio": ratio(results[mode]["p50_ms"], one[mode]["p50_ms"]),
-                "p95_ratio": ratio(results[mode]["p95_ms"], one[mode]["p95_ms"]),
-            }
-            for mode in modes
-        }
+    last = results["topologies"][-1]
+    results.update(
+        {key: last[key] for key in (*modes, "throughput_ratio", "p50_ratio", "p95_ratio", "vs_one_rank") if key in last}
+    )
     single, dynamic = results["singleton"], results["dynamic"]
-    results["throughput_ratio"] = ratio(dynamic["throughput_rps"], single["throughput_rps"])
-    results["p50_ratio"] = ratio(dynamic["p50_ms"], single["p50_ms"])
-    results["p95_ratio"] = ratio(dynamic["p95_ms"], single["p95_ms"])
     if peer is not None:
         one, batch = results["peer_one_at_a_time"], results["peer_offline_batch"]
         results["dynamic_vs_peer_offline_batch"] = ratio(dynamic["throughput_rps"], batch["throughput_rps"])
@@ -363,6 +381,15 @@ def run_batching_bench(
     if print_table:
         print_bench_table(results)
     return results
+
+
+def _ratios(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
+    """Throughput and p50/p95 latency of ``row`` over ``reference``."""
+    return {
+        "throughput_ratio": ratio(row["throughput_rps"], reference["throughput_rps"]),
+        "p50_ratio": ratio(row["p50_ms"], reference["p50_ms"]),
+        "p95_ratio": ratio(row["p95_ms"], reference["p95_ms"]),
+    }
 
 
 PEER_RATIOS = {
@@ -392,9 +419,9 @@ def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                     "avg batch": f"{row['batch_size']:.2f}",
                 }
             )
-    topologies = results.get("topologies") or []
+    topologies = results.get("topologies") or [results]
     several = len(topologies) > 1
-    for topology in topologies if several else [results]:
+    for topology in topologies:
         prefix = f"{topology['topology']}: " if several else ""
         for mode in ("singleton", "dynamic"):
             row = topology[mode]
@@ -410,28 +437,22 @@ def bench_table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                     "merged": f"{row['merged_rate'] * 100:.0f}%",
                 }
             )
-    label = f"{topologies[-1]['topology']}: " if several else ""
-    rows.append(
-        {
-            "mode": f"{label}ratio dynamic / singleton",
-            "throughput (req/s)": f"{results['throughput_ratio']:.2f}x",
-            "p50 (ms)": f"{results['p50_ratio']:.2f}x",
-            "p95 (ms)": f"{results['p95_ratio']:.2f}x",
-        }
-    )
-    for mode, ratios in (results.get("vs_one_rank") or {}).items():
-        rows.append(
-            {
-                "mode": f"ratio {topologies[-1]['topology']} / 1 rank ({mode})",
-                "throughput (req/s)": f"{ratios['throughput_ratio']:.2f}x",
-                "p50 (ms)": f"{ratios['p50_ratio']:.2f}x",
-                "p95 (ms)": f"{ratios['p95_ratio']:.2f}x",
-            }
-        )
+        rows.append(_ratio_row(f"{prefix}ratio dynamic / singleton", topology))
+        for mode, ratios in (topology.get("vs_one_rank") or {}).items():
+            rows.append(_ratio_row(f"ratio {topology['topology']} / 1 rank ({mode})", ratios))
     for key, label in PEER_RATIOS.items():
         if key in results:
             rows.append({"mode": label.format(peer=results["peer"]), "throughput (req/s)": f"{results[key]:.2f}x"})
     return rows
+
+
+def _ratio_row(label: str, ratios: dict[str, float]) -> dict[str, str]:
+    return {
+        "mode": label,
+        "throughput (req/s)": f"{ratios['throughput_ratio']:.2f}x",
+        "p50 (ms)": f"{ratios['p50_ratio']:.2f}x",
+        "p95 (ms)": f"{ratios['p95_ratio']:.2f}x",
+    }
 
 
 def print_bench_table(results: dict[str, Any]) -> None:
@@ -442,7 +463,8 @@ def print_bench_table(results: dict[str, Any]) -> None:
         title=(
             f"Dynamic batching bench: {results['model']} {results['width']}x{results['height']}, "
             f"{results['steps']} steps, {results['num_clients']} clients x {results['requests_per_client']} requests, "
-            f"{results['num_gpus']} x {results['device']}"
-            f"{' (' + results['topologies'][-1]['topology'] + ')' if results.get('topologies') else ''}, {results['dtype']}"
+            f"{results['device']}"
+            f"{' (' + ', '.join(t['topology'] for t in results['topologies']) + ')' if results.get('topologies') else ''}"
+            f", {results['dtype']}"
         ),
     )

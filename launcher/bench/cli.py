@@ -195,6 +195,13 @@ def batching(
     ulysses_degree: Annotated[
         Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree of the measured servers.")
     ] = None,
+    topology: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--topology",
+            help="Measure this layout (repeatable; one rank is measured first): dp2, ulysses2, dp2xulysses2.",
+        ),
+    ] = None,
     batching_max_size: Annotated[
         int, typer.Option("--batching-max-size", help="Largest merged batch of the dynamic server.")
     ] = 8,
@@ -218,11 +225,12 @@ def batching(
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """N concurrent clients against one server: --batching-max-size 1 versus dynamic, per topology, in one run."""
-    from tilecast.launcher.bench.batching import run_batching_bench
+    from tilecast.launcher.bench.batching import BenchTopology, run_batching_bench
 
     try:  # a ValueError names the bad option
         result = run_batching_bench(
             model_path,
+            topologies=[BenchTopology.parse(text) for text in topology or ()],
             num_clients=num_clients,
             requests_per_client=requests_per_client,
             width=width,
