@@ -5,7 +5,8 @@ do). It answers status/health/stats/cancel/delete at once, even while batches ar
 
 The ranks form ``num_groups`` serving groups (data-parallel replicas, ``runtime/replicas.py``;
 one group of all ranks by default). Each group runs one batch at a time; whenever a ready group is
-idle and the batcher releases a batch, the scheduler hands it to that group (the one idle longest):
+idle and the batcher releases a batch, the scheduler hands it to that group (the one idle longest;
+with several groups idle, the batch is shared among them, ``split_across_groups``):
 group 0, which rank 0 belongs to, through ``work``; the others through ``dispatch(group, plan)``
 (``ReplicaHub``). So different groups run different batches at the same time. The compute
 thread of group 0 asks ``plan_cancelled(seq)`` at the pipeline's cancel points: true once every
@@ -25,7 +26,7 @@ from typing import Any
 import msgspec
 
 from tilecast.scheduler import protocol as P
-from tilecast.scheduler.batching import Batcher, BatchingConfig, QueuedRequest
+from tilecast.scheduler.batching import Batcher, BatchingConfig, Dispatch, QueuedRequest
 from tilecast.scheduler.batching_metrics import BatchMetrics
 from tilecast.scheduler.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobTable, Waiter
 from tilecast.scheduler.outputs import OutputStore
@@ -416,10 +417,15 @@ class Scheduler(threading.Thread):
     def _queued_requests(self) -> list[QueuedRequest]:
         return [job.batching_view for job in self.table.queue]
 
+    def _idle_groups(self) -> list[GroupLoad]:
+        """The ready groups with nothing running, idle the longest first."""
+        idle = [group for group in self.groups if group.ready and group.running is None]
+        return sorted(idle, key=lambda group: (group.idle_since, group.index))
+
     def _idle_group(self) -> GroupLoad | None:
         """The ready group idle the longest, or None when every ready group is busy."""
-        idle = [group for group in self.groups if group.ready and group.running is None]
-        return min(idle, key=lambda group: (group.idle_since, group.index)) if idle else None
+        idle = self._idle_groups()
+        return idle[0] if idle else None
 
     def _dispatch(self) -> None:
         if self.stopped.is_set():
@@ -431,29 +437,34 @@ class Scheduler(threading.Thread):
             self.stopped.set()
             return
         while self.status == SERVING and self.table.queue:
-            group = self._idle_group()
-            if group is None:
+            idle = self._idle_groups()
+            if not idle:
                 return
             decision = self.batcher.select(self._queued_requests())
             if decision is None:
                 return
-            jobs = [self.table.get(job_id) for job_id in decision.job_ids]
-            self.table.start(jobs)
-            items = []
-            for job in jobs:
-                items.append(P.PlanItem(job_id=job.id, params=job.wire_params, uploads=materialize(job.uploads)))
-                release(job.uploads)
-                job.uploads = {}
-            for line in self.metrics.record(decision, self.batching.user_max):
-                if self.batching.enable_metrics:
-                    logger.info("%s", line)
-            seq = self._take_seq()
-            self._running[seq] = jobs
-            self._group_of[seq] = group.index
-            group.running, group.busy_since = seq, self.clock()
-            if len(self.groups) > 1:
-                logger.debug("plan %d (%s) -> replica group %d", seq, " ".join(job.id for job in jobs), group.index)
-            self._send_plan(group.index, P.Plan(seq=seq, kind="run", items=items))
+            for group, share in zip(idle, split_across_groups(decision, len(idle))):
+                self._start(group, share)
+
+    def _start(self, group: GroupLoad, decision: Dispatch) -> None:
+        """Send the batch ``decision`` names to ``group`` as one plan."""
+        jobs = [self.table.get(job_id) for job_id in decision.job_ids]
+        self.table.start(jobs)
+        items = []
+        for job in jobs:
+            items.append(P.PlanItem(job_id=job.id, params=job.wire_params, uploads=materialize(job.uploads)))
+            release(job.uploads)
+            job.uploads = {}
+        for line in self.metrics.record(decision, self.batching.user_max):
+            if self.batching.enable_metrics:
+                logger.info("%s", line)
+        seq = self._take_seq()
+        self._running[seq] = jobs
+        self._group_of[seq] = group.index
+        group.running, group.busy_since = seq, self.clock()
+        if len(self.groups) > 1:
+            logger.debug("plan %d (%s) -> replica group %d", seq, " ".join(job.id for job in jobs), group.index)
+        self._send_plan(group.index, P.Plan(seq=seq, kind="run", items=items))
 
     def _take_seq(self) -> int:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
@@ -558,3 +569,18 @@ class Scheduler(threading.Thread):
 
     def _reply(self, identity, msg: msgspec.Struct) -> None:
         self.send(identity, P.encode(msg))
+
+
+def split_across_groups(decision: Dispatch, idle_groups: int) -> list[Dispatch]:
+    """The released batch as one share per idle group (at most one per request), in queue order and
+    as even as possible: a replica that would otherwise wait takes part of the batch now."""
+    count = max(1, min(idle_groups, decision.size))
+    if count == 1:
+        return [decision]
+    size, extra = divmod(decision.size, count)
+    shares, start = [], 0
+    for index in range(count):
+        end = start + size + (index < extra)
+        shares.append(dataclasses.replace(decision, job_ids=decision.job_ids[start:end]))
+        start = end
+    return shares

@@ -139,6 +139,37 @@ def test_scheduler_runs_different_batches_on_different_groups_and_reports_their_
     assert 'tilecast_replica_busy{group="0"} 0' in text and 'tilecast_replica_jobs_done_total{group="1"} 1' in text
 
 
+def test_a_released_batch_is_shared_by_the_idle_groups():
+    """Five compatible requests released as one full batch while three groups idle: three plans
+    (2 + 2 + 1, in queue order), not one plan of five while two replicas wait."""
+
+    class Batchable(_FakePipeline):
+        max_batch_size = 8
+
+    sent: list = []
+    sched = Scheduler(
+        pipeline=Batchable(),
+        send=lambda peer, frames: None,
+        batching=BatchingConfig(mode="dynamic", max_size=5, delay_ms=60_000.0),
+        max_queued=16,
+        world_size=3,
+        groups=((0,), (1,), (2,)),
+        dispatch=lambda group, plan: sent.append((group, plan)),
+        cancel_plan=lambda group, seq: None,
+    )
+    for group in (1, 2):
+        sched._handle(("replica_ready", group))
+    for seed in range(5):
+        _submit(sched, seed=seed)
+    local = sched.work.get_nowait()
+    shares = [local.items] + [plan.items for _, plan in sent]
+    assert [len(items) for items in shares] == [2, 2, 1]
+    assert sorted(g for g, _ in sent) == [1, 2]
+    order = [item.job_id for items in shares for item in items]
+    assert order == list(sched.table.jobs)  # submission order, each job once
+    assert sched.stats()["batching"]["cumulative"]["requests"] == 5
+
+
 def _output():
     from tilecast.runtime.pipeline import Output
 
