@@ -34,7 +34,7 @@ from tilecast.runtime.worker import compute_loop, queue_source
 from tilecast.scheduler.auth import ServerAuth
 from tilecast.scheduler.io_thread import SocketThread
 from tilecast.scheduler.outputs import OutputStore
-from tilecast.scheduler.ready import ReadyInfo, remove_ready_file, write_ready_file
+from tilecast.scheduler.ready import ReadyInfo, connectable, remove_ready_file, write_ready_file
 from tilecast.scheduler.scheduler import DEAD, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -165,8 +165,6 @@ class RankZero:
 
     def announce(self) -> ReadyInfo:
         """Once both sockets are bound: the ready line on stdout, and the ready file (``--ready-file``)."""
-        from tilecast.scheduler.http_server import connectable
-
         info = ReadyInfo(
             endpoint=connectable(self.sockets.bound_endpoint),
             pid=os.getpid(),

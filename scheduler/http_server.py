@@ -21,20 +21,9 @@ import time
 import uvicorn
 
 from tilecast.scheduler.http_api import ApiConfig, HttpApi, ModelInfo
+from tilecast.scheduler.ready import connectable
 
 logger = logging.getLogger(__name__)
-
-
-def connectable(endpoint: str) -> str:
-    """A bound ZeroMQ endpoint as something a local client can connect to (wildcards -> loopback)."""
-    for wildcard, loopback in (
-        ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
-        ("tcp://*:", "tcp://127.0.0.1:"),
-        ("tcp://[::]:", "tcp://[::1]:"),
-    ):
-        if endpoint.startswith(wildcard):
-            return loopback + endpoint[len(wildcard) :]
-    return endpoint
 
 
 class HttpFrontEnd:

@@ -110,3 +110,15 @@ def read_ready_file(path: str | os.PathLike, timeout: float = 60.0, *, poll_s: f
         if time.monotonic() >= deadline:
             raise TimeoutError(f"no server ready within {timeout:.1f} s: ready file {path}: {problem}")
         time.sleep(poll_s)
+
+
+def connectable(endpoint: str) -> str:
+    """A bound ZeroMQ endpoint as something a local client can connect to (wildcards -> loopback)."""
+    for wildcard, loopback in (
+        ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+        ("tcp://*:", "tcp://127.0.0.1:"),
+        ("tcp://[::]:", "tcp://[::1]:"),
+    ):
+        if endpoint.startswith(wildcard):
+            return loopback + endpoint[len(wildcard) :]
+    return endpoint

@@ -6,12 +6,15 @@ every module imported; torch alone costs about a second, so none of these may pu
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from importlib.metadata import version
 
 import pytest
+
+from tests.harness import ServerProcess
 
 COMMANDS = {
     "help": ["--help"],
@@ -45,3 +48,24 @@ def test_version_prints_the_package_version():
         [sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == f"tilecast {version('tilecast')}"
+
+
+@pytest.mark.timeout(120)
+def test_serving_without_http_needs_no_http_packages(tmp_path):
+    """uvicorn and starlette are needed for --http-port only: a server without it comes up when
+    neither can be imported (a GPU image may not carry them)."""
+    blocked = tmp_path / "blocked"
+    for name in ("uvicorn", "starlette"):
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is blocked by this test')\n")
+    path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
+    server = ServerProcess(
+        "--model-path", "test/allreduce", "--device", "cpu", "--output-dir", str(tmp_path / "out"),
+        env={"PYTHONPATH": path},
+    )  # fmt: skip
+    try:
+        with server.client(timeout=60.0) as client:
+            assert client.generate(timeout=60.0).job.state == "completed"
+    finally:
+        server.stop()
+    assert "blocked by this test" not in server.log()

@@ -88,12 +88,24 @@ class _Server:
 
     def wait_ready(self) -> None:
         try:
-            self.endpoint = read_ready_file(self.ready_file, READY_TIMEOUT_S).endpoint
+            self.endpoint = self._ready_file().endpoint
             with Client(self.endpoint) as client:
                 client.wait_ready(READY_TIMEOUT_S)
         except Exception as exc:
             tail = self.log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"server did not come up ({exc}); log tail:\n{tail}") from exc
+
+    def _ready_file(self):
+        """The server's ready file; a ``RuntimeError`` at once if the server exits before writing it."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                return read_ready_file(self.ready_file, timeout=1.0)
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.proc.poll() is None:
