@@ -187,6 +187,8 @@ class Pipeline(ABC):
     """msgspec Struct of the request fields (``forbid_unknown_fields=True``); defaults live here."""
     upload_fields: ClassVar[tuple[str, ...]] = ()
     """Request fields that may carry uploaded bytes (sent as extra frames), e.g. ``("video",)``."""
+    num_frames_rule: ClassVar[tuple[int, int]] = (1, 0)
+    """Frame counts ``m*k + r`` a video model accepts, as ``(m, r)`` (HTTP's ``seconds`` rounds to one)."""
 
     model_name: str = ""
     """The model path or id this pipeline was loaded from (used in batching rules)."""

@@ -108,6 +108,8 @@ class RankZero:
                 max_upload_mb=config.max_upload_mb,
                 max_message_mb=config.max_message_mb,
                 api_key=config.api_key,
+                serve_config=config,
+                world_size=rt.ranks.world_size,
             )
         self._exit_lock = threading.Lock()
         self._exiting = False

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import msgspec
+import torch
 
 from tilecast.runtime.distributed import Ranks, broadcast_plan_in, group_ok
 from tilecast.runtime.pipeline import Pipeline, PlanCancelled, PlanHooks, RankContext, WorkItem
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 def execute_plan(plan: P.Plan, pipeline: Pipeline, ctx: RankContext) -> list:
+    """Run one plan's items through the pipeline. Each output's ``info`` gains the batch's
+    ``inference_time_s`` (this rank's wall time for the whole batch) and ``peak_memory_mb`` (the
+    device's peak allocated memory during it; ``None`` off CUDA, where torch keeps no such count)."""
     items = [
         WorkItem(
             job_id=item.job_id,
@@ -42,9 +46,20 @@ def execute_plan(plan: P.Plan, pipeline: Pipeline, ctx: RankContext) -> list:
         )
         for item in plan.items
     ]
+    cuda = getattr(ctx.device, "type", None) == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    began = time.perf_counter()
     outputs = pipeline.run(items, ctx)
     if len(outputs) != len(items):
         raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(items)} requests")
+    facts = {
+        "inference_time_s": round(time.perf_counter() - began, 4),
+        "peak_memory_mb": round(torch.cuda.max_memory_allocated(ctx.device) / 2**20, 1) if cuda else None,
+    }
+    for output in outputs:
+        if hasattr(output, "info"):
+            output.info = {**facts, **output.info}
     return outputs
 
 

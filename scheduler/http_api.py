@@ -46,9 +46,7 @@ import dataclasses
 import hmac
 import json
 import logging
-import math
 import re
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -65,15 +63,28 @@ from starlette.routing import Match, Route
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.client import AsyncClient, ServerDeadError, ServerError
 from tilecast.scheduler.http_metrics import Exposition, FrontEndMetrics, front_end_metrics, scheduler_metrics
+from tilecast.scheduler.http_openai import (
+    MAX_WIRE_INT,
+    STATUS_NAMES,
+    FieldError,
+    VideoRecord,
+    apply_seconds,
+    apply_size,
+    image_request,
+    image_response,
+    model_card,
+    video_object,
+)
 
 logger = logging.getLogger(__name__)
 
 VIDEO_PART = "video_reference"
 """Multipart field that carries the uploaded video (sent to the scheduler as the ``video`` upload)."""
+REFERENCE_PART = "input_reference"
+"""OpenAI's reference file field: a video there is the super-resolution source, as the reference routes it."""
+FILE_PARTS = (VIDEO_PART, REFERENCE_PART)
 _ACCEPTED_UPLOAD_TYPES = ("application/octet-stream",)
 """Non-``video/*`` part types accepted for ``video_reference`` (the pipeline still probes the bytes)."""
-_STATUS_NAMES = {"running": "in_progress"}
-"""Scheduler state -> OpenAI video status (queued, in_progress, completed, failed, cancelled)."""
 _SERVER_CODES = {
     "bad_request": 400,
     "forbidden": 403,
@@ -84,7 +95,6 @@ _SERVER_CODES = {
     "stopping": 503,
 }
 _MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 OPEN_PATHS = frozenset({"/health"})
 """Routes served without the API key (liveness probes)."""
 _ZMQ_OVERHEAD_BYTES = 64 * 1024
@@ -96,9 +106,10 @@ whole into memory. Files travel as multipart uploads, under ``--max-upload-mb``.
 UPLOAD_SPOOL_BYTES = 2**20
 """A multipart file part past this size is spooled to a temporary file on disk as it arrives
 (starlette's ``SpooledTemporaryFile``), instead of growing in memory."""
-MAX_WIRE_INT = 2**64 - 1
 MIN_WIRE_INT = -(2**63)
 """Integers outside ``MIN_WIRE_INT..MAX_WIRE_INT`` do not fit the wire (msgpack int64 / uint64): 400."""
+POLL_AFTER_MS = 250
+"""The poll interval a video object suggests (``openai-poll-after-ms``, read by the SDK's ``poll``)."""
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (nginx's convention) when the HTTP client went away before its answer."""
 
@@ -118,15 +129,61 @@ class ModelInfo:
     """Request fields; form strings are converted by it (None: fields go to the scheduler as sent)."""
     upload_fields: tuple[str, ...] = ()
 
+    num_gpus: int = 1
+    """Ranks serving the model (``world_size``)."""
+    precision: str = ""
+    """The compute dtype (``bfloat16``, ...)."""
+    pipeline_name: str = ""
+    """tilecast's pipeline class."""
+    pipeline_class: str = ""
+    """The diffusers pipeline class it serves (or tilecast's own, for K6 SR)."""
+    aliases: tuple[str, ...] = ()
+    """Names a request's ``model`` may use (the name first, then the family, the model path, ...)."""
+    layout: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Parallel degrees (``ulysses_degree``, ``ring_degree``, ``tp_size``, ``dp_degree``)."""
+    default_fps: int | None = None
+    """The ``fps`` request default of a video model (None: no duration, ``seconds`` is refused)."""
+    num_frames_rule: tuple[int, int] = (1, 0)
+    """Frame counts ``m*k + r`` the model accepts, as ``(m, r)``."""
+
     @classmethod
-    def from_pipeline(cls, pipeline) -> "ModelInfo":
+    def from_pipeline(cls, pipeline, config=None, world_size: int = 1) -> "ModelInfo":
+        """What rank 0's loaded ``pipeline`` and the run's ``ServeConfig`` say about the model."""
+        params_type = getattr(pipeline, "params_type", None)
+        fields = {f.name: f for f in msgspec.structs.fields(params_type)} if params_type is not None else {}
+        fps = fields.get("fps")
+        names = [pipeline.model_name, getattr(pipeline, "family", "")]
+        layout: dict[str, int] = {}
+        if config is not None:
+            names += [config.model_path, Path(str(config.model_path)).name]
+            layout = {
+                name: getattr(config, name)
+                for name in ("ulysses_degree", "ring_degree", "tp_size", "dp_degree")
+                if isinstance(getattr(config, name, None), int)
+            }
         return cls(
             name=pipeline.model_name,
             family=getattr(pipeline, "family", ""),
             task=getattr(pipeline, "task", ""),
-            params_type=getattr(pipeline, "params_type", None),
+            params_type=params_type,
             upload_fields=tuple(pipeline.upload_fields),
+            num_gpus=world_size,
+            precision=_precision(config),
+            pipeline_name=type(pipeline).__name__,
+            pipeline_class=getattr(pipeline, "diffusers_class", None) or type(pipeline).__name__,
+            aliases=tuple(dict.fromkeys(name for name in names if name)),
+            layout=layout,
+            default_fps=fps.default if fps is not None and isinstance(fps.default, int) else None,
+            num_frames_rule=tuple(getattr(pipeline, "num_frames_rule", (1, 0))),
         )
+
+
+def _precision(config) -> str:
+    if config is None:
+        return ""
+    from tilecast.runtime.config import default_dtype
+
+    return str(config.dtype or default_dtype(config.device))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -148,6 +205,8 @@ class ApiConfig:
     """Largest JSON request body (``MAX_JSON_BYTES``); uploads have ``max_upload_bytes``."""
     upload_spool_bytes: int = UPLOAD_SPOOL_BYTES
     """Multipart file parts past this size are spooled to disk while they arrive."""
+    output_retention_s: float | None = None
+    """``--output-retention-s``: a completed video's ``expires_at`` (None: kept until pushed out)."""
     api_key: str | None = dataclasses.field(default=None, repr=False)
     """Every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (None: open); the
     front end also presents it to the scheduler (it is a ZeroMQ client like any other)."""
@@ -221,6 +280,15 @@ def check_wire_values(fields: dict[str, Any]) -> None:
             raise ApiError(400, f"invalid value for {shown!r}: {why}", param=shown, code="invalid_value")
 
 
+@contextlib.contextmanager
+def _field_errors():
+    """``http_openai.FieldError`` as a 400 naming the field."""
+    try:
+        yield
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
 async def _disconnected(request: Request) -> None:
     """Returns once the client has disconnected (call after the body was read)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -262,28 +330,6 @@ def convert_fields(fields: dict[str, Any], params_type: type[msgspec.Struct] | N
 
 
 # ---------------------------------------------------------------------------------------------
-# Job objects
-# ---------------------------------------------------------------------------------------------
-def video_object(info: P.JobInfo, model: str | None) -> dict[str, Any]:
-    """OpenAI's video object for a scheduler job; ``progress`` is a percentage (0..100)."""
-    error = None
-    if info.state in ("failed", "cancelled"):
-        error = {"code": info.state, "message": info.error or info.state}
-    return {
-        "id": info.job_id,
-        "object": "video",
-        "model": model,
-        "status": _STATUS_NAMES.get(info.state, info.state),
-        "progress": int(math.floor(max(0.0, min(1.0, info.progress)) * 100 + 1e-9)),
-        "created_at": int(info.created_at),
-        "started_at": int(info.started_at) if info.started_at is not None else None,
-        "completed_at": int(info.finished_at) if info.finished_at is not None else None,
-        "queue_position": info.queue_position,
-        "error": error,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
 def _content_kind(request: Request) -> str:
@@ -299,17 +345,6 @@ def _content_kind(request: Request) -> str:
     )
 
 
-def _parse_size(value: Any) -> tuple[int, int] | None:
-    if value is None or value == "auto":
-        return None
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
-        raise ApiError(
-            400, f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {value!r}", param="size", code="invalid_value"
-        )
-    return int(match.group(1)), int(match.group(2))
-
-
 class HttpApi:
     """Routes and state of the front end; ``app`` is the ASGI application."""
 
@@ -319,7 +354,8 @@ class HttpApi:
         self.metrics = FrontEndMetrics()
         self.client: AsyncClient | None = None
         self.started_at = int(time.time())
-        self._video_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._video_ids: collections.OrderedDict[str, VideoRecord] = collections.OrderedDict()
+        """Video jobs created here, oldest first, with what the front end knows of each."""
         self._watchers: set[asyncio.Task] = set()
         routes = [
             Route("/v1/videos", self.create_video, methods=["POST"]),
@@ -328,7 +364,11 @@ class HttpApi:
             Route("/v1/videos/{video_id}", self.delete_video, methods=["DELETE"]),
             Route("/v1/videos/{video_id}/content", self.video_content, methods=["GET"]),
             Route("/v1/images/generations", self.create_images, methods=["POST"]),
+            Route("/v1/images/{image_id}/content", self.image_content, methods=["GET"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
+            Route("/v1/model_info", self.model_info, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
@@ -494,10 +534,10 @@ class HttpApi:
             fields: dict[str, str] = {}
             video = None
             for name, value in form.multi_items():
-                if name in fields or (name == VIDEO_PART and video is not None):
+                if name in fields or (name in FILE_PARTS and video is not None):
                     raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
                 if isinstance(value, UploadFile):
-                    if name != VIDEO_PART:
+                    if name not in FILE_PARTS:
                         raise ApiError(
                             400,
                             f"unexpected file field {name!r} (upload the video as {VIDEO_PART!r})",
@@ -505,19 +545,26 @@ class HttpApi:
                             code="unknown_field",
                         )
                     media = (value.content_type or "").split(";", 1)[0].strip().lower()
+                    if media.startswith("image/"):
+                        raise ApiError(
+                            400,
+                            f"{self._model_name() or 'this model'} takes no image reference: {name!r} must be a video",
+                            param=name,
+                            code="unsupported_input",
+                        )
                     if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
                         raise ApiError(
                             415,
-                            f"{VIDEO_PART} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
-                            param=VIDEO_PART,
+                            f"{name} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
+                            param=name,
                             code="unsupported_media_type",
                         )
                     video = await value.read()
-                elif name == VIDEO_PART:
+                elif name in FILE_PARTS:
                     raise ApiError(
                         400,
-                        f"{VIDEO_PART} must be a file part (curl -F '{VIDEO_PART}=@input.mp4')",
-                        param=VIDEO_PART,
+                        f"{name} must be a file part (curl -F '{name}=@input.mp4')",
+                        param=name,
                         code="invalid_value",
                     )
                 else:
@@ -527,14 +574,20 @@ class HttpApi:
             await form.close()
 
     # ------------------------------------------------------------------ helpers
-    def _check_model(self, fields: dict[str, Any]) -> None:
+    def _check_model(self, fields: dict[str, Any]) -> str | None:
+        """Pop ``model``: any alias of the served model (returned, to be echoed back), else a 400."""
         model = fields.pop("model", None)
         if model is None or self.model is None:
-            return
-        if model not in (self.model.name, self.model.family):
+            return model
+        if model not in self.model.aliases and model not in (self.model.name, self.model.family):
             raise ApiError(
-                400, f"this server serves {self.model.name!r}, not {model!r}", param="model", code="model_not_found"
+                400,
+                f"this server serves {self.model.name!r} (also known as {', '.join(map(repr, self.model.aliases))}),"
+                f" not {model!r}",
+                param="model",
+                code="model_not_found",
             )
+        return model
 
     def _check_upload_size(self, video: bytes) -> None:
         limit = self.config.max_message_bytes
@@ -584,8 +637,8 @@ class HttpApi:
             return work.result()
         raise _ClientGone()
 
-    def _remember(self, job_id: str) -> None:
-        self._video_ids[job_id] = None
+    def _remember(self, job_id: str, record: VideoRecord) -> None:
+        self._video_ids[job_id] = record
         while len(self._video_ids) > self.config.max_listed_jobs:
             self._video_ids.popitem(last=False)
 
@@ -599,12 +652,37 @@ class HttpApi:
                 logger.debug("not following %s any more: %s", job_id, exc)
                 return
             self.metrics.job(result.job, result.info)
+            record = self._video_ids.get(job_id)
+            if record is not None:
+                record.result = {
+                    "inference_time_s": result.info.get("inference_time_s"),
+                    "peak_memory_mb": result.info.get("peak_memory_mb"),
+                    "num_outputs": sum(1 for f in result.files if f.mime.startswith("video/")),
+                }
 
         task = asyncio.get_running_loop().create_task(follow())
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
     # ------------------------------------------------------------------ videos
+    def _video(self, info: P.JobInfo, request: Request) -> dict[str, Any]:
+        record = self._video_ids.get(info.job_id)
+        return video_object(
+            info,
+            model=(record.model if record is not None and record.model else self._model_name()),
+            record=record,
+            content_url=self._url(request, f"/v1/videos/{info.job_id}/content"),
+            retention_s=self.config.output_retention_s,
+        )
+
+    @staticmethod
+    def _url(request: Request, path: str) -> str:
+        return str(request.base_url).rstrip("/") + path
+
+    def _video_response(self, body: dict[str, Any]) -> JSONResponse:
+        """A video object, with the poll interval the official SDK's ``poll`` reads."""
+        return JSONResponse(body, headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
     async def create_video(self, request: Request) -> Response:
         kind = _content_kind(request)
         try:
@@ -614,6 +692,9 @@ class HttpApi:
                 fields, video = await self._read_json(request), None
         except ClientDisconnect:
             return Response(status_code=400)
+        extra = fields.pop("extra_body", None) if kind == "json" else None
+        if isinstance(extra, dict):  # SGLang's clients nest extras; they mean top-level fields
+            fields = {**fields, **extra}
         if "video" in fields:
             raise ApiError(
                 400,
@@ -622,19 +703,32 @@ class HttpApi:
                 param="video",
                 code="unknown_field",
             )
-        self._check_model(fields)
+        record = VideoRecord(model=self._check_model(fields))
+        with _field_errors():
+            apply_size(fields)
+            if self.model is not None and self.model.task == "sr":
+                if fields.pop("prompt", None) is not None:
+                    record.notes.append("super-resolution does not read the prompt")
+            else:
+                model = self.model
+                record.frames = apply_seconds(
+                    fields,
+                    default_fps=model.default_fps if model is not None else None,
+                    rule=model.num_frames_rule if model is not None else (1, 0),
+                )
         fields = convert_fields(
             fields, self.model.params_type if self.model else None, from_strings=kind == "multipart"
         )
+        record.width, record.height = fields.get("width"), fields.get("height")
         if video is not None:
             if self.model is not None and "video" not in self.model.upload_fields:
                 raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
             self._check_upload_size(video)
             fields["video"] = video
         job_id = await self._submit(fields)
-        self._remember(job_id)
+        self._remember(job_id, record)
         self._follow(job_id)
-        return JSONResponse(video_object(await self._status(job_id), self._model_name()))
+        return self._video_response(self._video(await self._status(job_id), request))
 
     async def list_videos(self, request: Request) -> Response:
         raw = request.query_params.get("limit", "20")
@@ -644,14 +738,13 @@ class HttpApi:
             limit = 0
         if not 1 <= limit <= 100:
             raise ApiError(400, f"limit must be an integer in 1..100, got {raw!r}", param="limit", code="invalid_value")
-        ids = list(reversed(self._video_ids))
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order", code="invalid_value")
+        ids = list(self._video_ids) if order == "asc" else list(reversed(self._video_ids))
         after = request.query_params.get("after")
-        if after is not None:
-            if after not in self._video_ids:
-                raise ApiError(
-                    400, f"after={after!r} is not a video job created here", param="after", code="invalid_value"
-                )
-            ids = ids[ids.index(after) + 1 :]
+        if after is not None:  # an id not created here (or forgotten) gives an empty page, as the reference
+            ids = ids[ids.index(after) + 1 :] if after in self._video_ids else []
         page, has_more = ids[:limit], len(ids) > limit
 
         async def status_or_none(job_id: str) -> P.JobInfo | None:
@@ -663,7 +756,7 @@ class HttpApi:
                 raise
 
         infos = await asyncio.gather(*(status_or_none(job_id) for job_id in page))
-        data = [video_object(info, self._model_name()) for info in infos if info is not None]
+        data = [self._video(info, request) for info in infos if info is not None]
         return JSONResponse(
             {
                 "object": "list",
@@ -675,7 +768,7 @@ class HttpApi:
         )
 
     async def get_video(self, request: Request) -> Response:
-        return JSONResponse(video_object(await self._status(request.path_params["video_id"]), self._model_name()))
+        return self._video_response(self._video(await self._status(request.path_params["video_id"]), request))
 
     async def delete_video(self, request: Request) -> Response:
         """OpenAI's DELETE: cancel the job if it has not finished, delete its files, forget it."""
@@ -690,25 +783,37 @@ class HttpApi:
         return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
 
     async def video_content(self, request: Request) -> Response:
-        job_id = request.path_params["video_id"]
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise ApiError(
+                400, f"variant {variant!r} is not available: tilecast stores the video only", param="variant"
+            )
+        return await self._content(request.path_params["video_id"], "video")
+
+    async def image_content(self, request: Request) -> Response:
+        return await self._content(request.path_params["image_id"], "image")
+
+    async def _content(self, job_id: str, kind: str) -> Response:
+        """The job's first ``kind/*`` file; 404 for an unknown id and before the job has completed."""
         try:
             result = await self.client.result(job_id, wait=False, as_paths=True)
         except ServerError as exc:
             if exc.code == "not_found":
-                raise ApiError(404, f"no video job {job_id!r}", param="video_id", code="not_found") from None
+                raise ApiError(404, f"no {kind} job {job_id!r}", param=f"{kind}_id", code="not_found") from None
             raise
         job = result.job
         if job.state != "completed":
+            status = STATUS_NAMES.get(job.state, job.state)
             detail = f": {job.error}" if job.error else ""
+            still = "still in progress" if job.state in ("queued", "running") else "it did not complete"
             raise ApiError(
-                409,
-                f"job {job_id} is {_STATUS_NAMES.get(job.state, job.state)}{detail}; "
-                "its content exists only once it has completed",
-                param="video_id",
+                404,
+                f"job {job_id} is {status}{detail}; {still}: its content exists once it has completed",
+                param=f"{kind}_id",
                 code=f"job_{job.state}",
             )
         files = result.files
-        item = next((f for f in files if f.mime.startswith("video/")), files[0] if files else None)
+        item = next((f for f in files if f.mime.startswith(f"{kind}/")), files[0] if files else None)
         if item is None:
             raise ApiError(500, f"job {job_id} completed without an output file", code="no_output")
         if item.path is not None and Path(item.path).is_file():
@@ -739,50 +844,15 @@ class HttpApi:
                 f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs a text-to-image model",
                 code="wrong_task",
             )
+        extra = body.pop("extra_body", None)
+        if isinstance(extra, dict):
+            body = {**body, **extra}
         self._check_model(body)
-        body.pop("user", None)  # OpenAI's end-user id: metadata only
-        prompt = body.pop("prompt", None)
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt must be a non-empty string", param="prompt", code="invalid_value")
-        n = body.pop("n", 1)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_images:
-            raise ApiError(
-                400, f"n must be an integer in 1..{self.config.max_images}, got {n!r}", param="n", code="invalid_value"
-            )
-        response_format = body.pop("response_format", "b64_json")
-        if response_format != "b64_json":
-            raise ApiError(
-                400,
-                f"response_format {response_format!r} is not supported: only 'b64_json' "
-                "(tilecast does not host image URLs)",
-                param="response_format",
-                code="invalid_value",
-            )
-        size = _parse_size(body.pop("size", None))
-        if size is not None:
-            for key in ("width", "height"):
-                if key in body:
-                    raise ApiError(400, f"give either size or {key}, not both", param=key, code="invalid_value")
-            body["width"], body["height"] = size
-        seed = body.pop("seed", None)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_WIRE_INT):
-            raise ApiError(
-                400, f"seed must be an integer in 0..2**64-1, got {seed!r}", param="seed", code="invalid_value"
-            )
-        if seed is not None and seed + n - 1 > MAX_WIRE_INT:
-            raise ApiError(
-                400,
-                f"seed {seed} with n={n}: the images use seeds {seed}..{seed + n - 1}, past 2**64-1",
-                param="seed",
-                code="invalid_value",
-            )
-        if "video" in body:
-            raise ApiError(400, "'video' is not a field of an image request", param="video", code="unknown_field")
-        base_seed = seed if seed is not None else secrets.randbelow(2**31)
-        requests = [{**body, "prompt": prompt, "seed": base_seed + index} for index in range(n)]
+        with _field_errors():
+            wanted = image_request(body, max_images=self.config.max_images)
         requests = [
             convert_fields(fields, self.model.params_type if self.model else None, from_strings=False)
-            for fields in requests
+            for fields in wanted.submissions
         ]
         job_ids: list[str] = []
         try:
@@ -791,8 +861,10 @@ class HttpApi:
             errors = [exc for exc in submitted if isinstance(exc, BaseException)]
             if errors:
                 raise errors[0]
+            as_paths = wanted.response_format == "url"
             results = await self._unless_disconnected(
-                request, asyncio.gather(*(self.client.result(job_id, wait=True) for job_id in job_ids))
+                request,
+                asyncio.gather(*(self.client.result(job_id, wait=True, as_paths=as_paths) for job_id in job_ids)),
             )
         except BaseException as exc:
             await asyncio.gather(*(self.client.cancel(job_id) for job_id in job_ids), return_exceptions=True)
@@ -801,7 +873,7 @@ class HttpApi:
                 logger.info("HTTP client left before its %d image(s): cancelled %s", len(job_ids), ", ".join(job_ids))
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             raise
-        data = []
+        images = []
         for result in results:
             self.metrics.job(result.job, result.info)
             if result.job.state != "completed":
@@ -813,22 +885,41 @@ class HttpApi:
                 )
             files = result.files
             item = next((f for f in files if f.mime.startswith("image/")), files[0] if files else None)
-            if item is None or item.data is None:
+            if item is None or (not as_paths and item.data is None):
                 raise ApiError(500, f"image job {result.job.job_id} returned no image file", code="no_output")
-            data.append({"b64_json": base64.b64encode(item.data).decode("ascii")})
-        return JSONResponse({"created": int(time.time()), "data": data})
+            image: dict[str, Any] = {"id": result.job.job_id}
+            if as_paths:
+                image["url"] = self._url(request, f"/v1/images/{result.job.job_id}/content")
+            else:
+                image["b64_json"] = base64.b64encode(item.data).decode("ascii")
+            images.append(image)
+        return JSONResponse(image_response(wanted.prompt, images, [result.info for result in results]))
 
     # ------------------------------------------------------------------ service
-    async def list_models(self, _request: Request) -> Response:
+    async def _model(self) -> ModelInfo:
         if self.model is not None:
-            name, extra = self.model.name, {"family": self.model.family, "task": self.model.task}
-        else:
-            name, extra = (await self.client.health(timeout=self.config.health_timeout_s)).model, {}
+            return self.model
+        name = (await self.client.health(timeout=self.config.health_timeout_s)).model
+        return ModelInfo(name=name, aliases=(name,))
+
+    async def list_models(self, _request: Request) -> Response:
+        card = model_card(await self._model(), created=self.started_at)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def get_model(self, request: Request) -> Response:
+        model, wanted = await self._model(), request.path_params["model_id"]
+        if wanted not in model.aliases and wanted != model.name:
+            raise ApiError(
+                404, f"the model {wanted!r} is not served here (this server serves {model.name!r})",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return JSONResponse(model_card(model, created=self.started_at) | {"id": wanted})
+
+    async def model_info(self, _request: Request) -> Response:
+        model = await self._model()
+        card = model_card(model, created=self.started_at)
         return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": self.started_at, "owned_by": "tilecast", **extra}],
-            }
+            card | {"model_path": card["id"], "layout": dict(model.layout), "precision": model.precision}
         )
 
     async def health(self, _request: Request) -> Response:

@@ -50,13 +50,17 @@ class HttpFrontEnd:
         max_upload_mb: float,
         max_message_mb: float | None = None,
         api_key: str | None = None,
+        serve_config=None,
+        world_size: int = 1,
     ) -> "HttpFrontEnd":
-        """The front end of the scheduler at ``endpoint`` serving ``pipeline`` (rank 0's copy)."""
+        """The front end of the scheduler at ``endpoint`` serving ``pipeline`` (rank 0's copy);
+        ``serve_config`` (the run's ``ServeConfig``) adds the model's aliases, precision and layout."""
         config = ApiConfig(
             endpoint=connectable(endpoint),
             max_upload_bytes=int(max_upload_mb * 2**20),
             max_message_bytes=int(max_message_mb * 2**20) if max_message_mb else None,
-            model=ModelInfo.from_pipeline(pipeline) if pipeline is not None else None,
+            model=ModelInfo.from_pipeline(pipeline, serve_config, world_size) if pipeline is not None else None,
+            output_retention_s=getattr(serve_config, "output_retention_s", None),
             api_key=api_key,
         )
         return cls(HttpApi(config), host=host, port=port)

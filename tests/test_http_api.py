@@ -21,6 +21,7 @@ from pathlib import Path
 
 import av
 import httpx
+import openai
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
@@ -220,6 +221,22 @@ def test_upload_poll_download_gives_playable_mp4_with_audio(http, uploaded_job, 
     assert listed["object"] == "list" and created["id"] in [job["id"] for job in listed["data"]]
 
 
+def test_openai_sdk_super_resolves_a_video_sent_as_input_reference(server, media, tmp_path):
+    """The official SDK's videos.create takes a prompt (required there) and an input_reference:
+    a video there is the SR source, as the reference routes it; the prompt is accepted, not read."""
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=JOB_TIMEOUT_S)
+    clip = (media / "clip.mp4").read_bytes()
+    video = sdk.videos.create_and_poll(
+        prompt="sharper, please", input_reference=("in.mp4", clip, "video/mp4"), extra_body=SR_FIELDS
+    )
+    assert video.status == "completed" and video.model == "tiny/k6sr", video
+    assert video.model_extra["notes"] == ["super-resolution does not read the prompt"]
+    path = tmp_path / "sdk.mp4"
+    path.write_bytes(sdk.videos.download_content(video.id).read())
+    mp4 = describe_mp4(path)
+    assert (mp4["width"], mp4["height"], mp4["num_frames"], mp4["audio"]) == (128, 128, 9, "aac")
+
+
 def test_json_video_path_inside_and_outside_the_allowed_dir(http, media, tmp_path):
     response = http.post(
         "/v1/videos",
@@ -265,7 +282,8 @@ def test_delete_queued_and_running_jobs(http, media):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     early = http.get(f"/v1/videos/{first['id']}/content")
-    assert early.status_code == 409 and early.json()["error"]["code"] == "job_running"
+    assert early.status_code == 404 and early.json()["error"]["code"] == "job_running"  # as the reference
+    assert "still in progress" in early.json()["error"]["message"]
     running = http.delete(f"/v1/videos/{first['id']}")
     assert running.status_code == 200 and running.json()["deleted"] is True
     assert http.get(f"/v1/videos/{first['id']}").status_code == 404
@@ -532,7 +550,7 @@ def test_images_generations_batches_n_requests_with_consecutive_seeds(tmp_path):
         assert values[("tilecast_batch_size_count", ())] == 2  # the n=2 pair went out as one batch
         bad = http.post("/v1/images/generations", json={**request, "size": "big"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "size"
-        bad = http.post("/v1/images/generations", json={**request, "response_format": "url"})
+        bad = http.post("/v1/images/generations", json={**request, "response_format": "jpeg_url"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
 
 

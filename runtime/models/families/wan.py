@@ -89,6 +89,7 @@ class WanT2VPipeline(DiffusersBatchPipeline):
 
     family = "wan2.1-t2v"
     task = "t2v"
+    num_frames_rule = (4, 1)
     params_type = T2VParams
     diffusers_class = "WanPipeline"
     checkpoint = TINY_WAN
