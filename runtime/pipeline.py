@@ -254,5 +254,10 @@ class Pipeline(ABC):
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Execute a batch on every rank, same order everywhere; return one Output per item."""
 
+    def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+        """The fields and uploads of the smallest real request (one step), which
+        ``GET /health_generate`` submits; None: this pipeline has none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - a no-op default; pipelines that hold resources override it
         """Release resources at shutdown."""

@@ -110,6 +110,10 @@ MIN_WIRE_INT = -(2**63)
 """Integers outside ``MIN_WIRE_INT..MAX_WIRE_INT`` do not fit the wire (msgpack int64 / uint64): 400."""
 POLL_AFTER_MS = 250
 """The poll interval a video object suggests (``openai-poll-after-ms``, read by the SDK's ``poll``)."""
+HEALTH_GENERATE_TTL_S = 5.0
+"""``GET /health_generate`` answers from its last generation for this long (probes come often)."""
+HEALTH_GENERATE_TIMEOUT_S = 120.0
+"""How long its one-step generation may take before the answer is 503."""
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (nginx's convention) when the HTTP client went away before its answer."""
 
@@ -145,6 +149,8 @@ class ModelInfo:
     """The ``fps`` request default of a video model (None: no duration, ``seconds`` is refused)."""
     num_frames_rule: tuple[int, int] = (1, 0)
     """Frame counts ``m*k + r`` the model accepts, as ``(m, r)``."""
+    health_request: tuple[dict[str, Any], dict[str, bytes]] | None = dataclasses.field(default=None, repr=False)
+    """``Pipeline.health_request()``: what ``GET /health_generate`` submits (None: 501)."""
 
     @classmethod
     def from_pipeline(cls, pipeline, config=None, world_size: int = 1) -> "ModelInfo":
@@ -175,6 +181,7 @@ class ModelInfo:
             layout=layout,
             default_fps=fps.default if fps is not None and isinstance(fps.default, int) else None,
             num_frames_rule=tuple(getattr(pipeline, "num_frames_rule", (1, 0))),
+            health_request=pipeline.health_request() if hasattr(pipeline, "health_request") else None,
         )
 
 
@@ -357,6 +364,9 @@ class HttpApi:
         self._video_ids: collections.OrderedDict[str, VideoRecord] = collections.OrderedDict()
         """Video jobs created here, oldest first, with what the front end knows of each."""
         self._watchers: set[asyncio.Task] = set()
+        self._health_generated: tuple[float, int, dict[str, Any]] | None = None
+        """The last ``/health_generate`` answer: (monotonic time, status code, body)."""
+        self._health_lock: asyncio.Lock | None = None
         routes = [
             Route("/v1/videos", self.create_video, methods=["POST"]),
             Route("/v1/videos", self.list_videos, methods=["GET"]),
@@ -370,6 +380,7 @@ class HttpApi:
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/model_info", self.model_info, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health_generate, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         self._app = Starlette(
@@ -938,6 +949,49 @@ class HttpApi:
         if reply.status == "serving":
             return JSONResponse({"status": "ok", **body})
         return JSONResponse({"status": reply.status, "detail": reply.detail, **body}, status_code=503)
+
+    async def health_generate(self, _request: Request) -> Response:
+        """A real one-step generation through the queue (``Pipeline.health_request``): 200 with its
+        time when it completes, 503 when it fails or times out; concurrent probes share one run, and
+        an answer is reused for ``HEALTH_GENERATE_TTL_S``."""
+        if self._health_lock is None:
+            self._health_lock = asyncio.Lock()
+        async with self._health_lock:
+            cached = self._health_generated
+            if cached is None or time.monotonic() - cached[0] >= HEALTH_GENERATE_TTL_S:
+                self._health_generated = (time.monotonic(), *await self._generate_for_health())
+            _, status, body = self._health_generated
+        return JSONResponse(body, status_code=status)
+
+    async def _generate_for_health(self) -> tuple[int, dict[str, Any]]:
+        request = self.model.health_request if self.model is not None else None
+        if request is None:
+            return 501, {"status": "unsupported", "detail": "this model has no health generation request"}
+        fields, uploads = request
+        began = time.monotonic()
+        job_id = None
+        try:
+            job_id = await self._submit({**fields, **uploads})
+            result = await asyncio.wait_for(
+                self.client.result(job_id, wait=True, as_paths=True), HEALTH_GENERATE_TIMEOUT_S
+            )
+        except (ApiError, ServerError, ServerDeadError, asyncio.TimeoutError, TimeoutError) as exc:
+            if job_id is not None:
+                with contextlib.suppress(Exception):
+                    await self.client.cancel(job_id)
+            return 503, {"status": "unhealthy", "detail": f"the health generation did not complete: {exc}"}
+        body = {
+            "status": "ok" if result.job.state == "completed" else "unhealthy",
+            "job_id": job_id,
+            "state": result.job.state,
+            "elapsed_s": round(time.monotonic() - began, 3),
+            "inference_time_s": result.info.get("inference_time_s"),
+        }
+        if result.job.state != "completed":
+            body["detail"] = result.job.error
+        with contextlib.suppress(Exception):  # a probe leaves no stored output behind
+            await self.client.delete(job_id)
+        return (200 if result.job.state == "completed" else 503), body
 
     async def prometheus(self, _request: Request) -> Response:
         out = Exposition()

@@ -237,6 +237,11 @@ def test_openai_sdk_super_resolves_a_video_sent_as_input_reference(server, media
     assert (mp4["width"], mp4["height"], mp4["num_frames"], mp4["audio"]) == (128, 128, 9, "aac")
 
 
+def test_health_generate_super_resolves_a_generated_clip(http):
+    response = http.get("/health_generate", timeout=JOB_TIMEOUT_S)
+    assert response.status_code == 200 and response.json()["state"] == "completed", response.text
+
+
 def test_json_video_path_inside_and_outside_the_allowed_dir(http, media, tmp_path):
     response = http.post(
         "/v1/videos",

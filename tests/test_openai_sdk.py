@@ -97,6 +97,17 @@ def test_models_retrieve_by_any_alias_and_model_info(image_server):
     assert httpx.get(f"{image_server.http_url}/models", timeout=30).json()["data"][0]["id"] == "tiny/flux"
 
 
+@pytest.mark.parametrize("server_name", ["image_server", "video_server"])
+def test_health_generate_runs_one_real_step_and_reuses_its_answer(server_name, request):
+    url = request.getfixturevalue(server_name).http_url
+    first = httpx.get(f"{url}/health_generate", timeout=120)
+    assert first.status_code == 200 and first.json()["status"] == "ok", first.text
+    assert first.json()["state"] == "completed" and first.json()["inference_time_s"] > 0
+    again = httpx.get(f"{url}/health_generate", timeout=120).json()
+    assert again["job_id"] == first.json()["job_id"]  # within HEALTH_GENERATE_TTL_S: the same run
+    assert httpx.get(f"{url}/v1/videos/{again['job_id']}", timeout=30).status_code == 404  # the probe's job is gone
+
+
 def test_videos_create_and_poll_download_list_delete(video_server):
     sdk = _sdk(video_server.http_url)
     video = sdk.videos.create_and_poll(

@@ -369,6 +369,10 @@ class DiffusersBatchPipeline(Pipeline):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
 
+    def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """One denoising step at the request defaults' size."""
+        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
         over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on

@@ -216,6 +216,18 @@ class K6SRPipeline(Pipeline):
             )
 
     # ------------------------------------------------------------------- run
+    def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """A 9-frame clip that makes one x2 tile of the smallest trained tile size, one step."""
+        import tempfile
+
+        from tilecast.runtime.synthetic import write_test_video
+
+        height, width = min(self.parts.tile_sizes)
+        with tempfile.TemporaryDirectory(prefix="tilecast-health-") as tmp:
+            clip = write_test_video(Path(tmp, "health.mp4"), width // 2, height // 2, 9, 24.0, audio=False)
+            video = clip.read_bytes()
+        return {"sr_resolution_scale": 2, "num_inference_steps": 1, "seed": 0}, {"video": video}
+
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         return [self._run_one(item, ctx) for item in items]
 
