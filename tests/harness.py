@@ -1,4 +1,4 @@
-"""Test helpers for running pipelines and servers, and for driving servers: one module.
+"""Test helpers for running pipelines, servers and commands, and for driving servers: one module.
 
 - ``make_context``: a ``RankContext`` built by hand (what ``start_rank`` builds on a rank), its
   settings a real ``ServeConfig``, for tests that load a pipeline without starting ranks.
@@ -8,7 +8,8 @@
   port. The ready file's path, unique per server, is also what finds the server's processes (its
   command line).
 - Command lines: ``serve_args`` (``ServerProcess(*serve_args(model, out, num_gpus=2, ...))``),
-  ``cli_flags`` (any command's flags from keywords).
+  ``cli_flags`` (any command's flags from keywords), ``k6sr_generate_args`` with ``saved_frames``;
+  ``record_rank_starts`` runs the CLI without ranks; ``flux_step_bench`` the step bench on the CPU.
 - Waiting and talking to a server: ``wait_until`` (poll a condition, fail on a timeout),
   ``wait_for_state``, ``collect_outcomes`` (every job awaited from a thread of its own; after a
   rank's ``kill -9``: ``outcomes_after_kill_9``), ``plain_socket`` (a raw ZeroMQ socket, no client
@@ -113,6 +114,50 @@ def serve_args(
     ``ServerProcess(*serve_args(...))``, which adds the ports and the ready file."""
     flags = cli_flags(model_path=model, num_gpus=num_gpus, device=device, output_dir=output_dir, **options)
     return [*flags, *extra]
+
+
+def k6sr_generate_args(video: str | Path, output_path: str | Path) -> list[str]:
+    """``tilecast generate`` of the SR topology tests (no topology flags: one rank): tiny/k6sr on
+    the CPU, ``video`` x2 in 2 steps with seed 42, its MP4 and raw frames (``--save-frames``) saved
+    in ``output_path`` (read them with ``saved_frames``)."""
+    return [
+        "generate",
+        *cli_flags(model_path="tiny/k6sr", device="cpu", video_path=video, sr_resolution_scale=2),
+        *cli_flags(num_inference_steps=2, seed=42, save_output=True, output_path=output_path, save_frames=True),
+    ]
+
+
+def saved_frames(output_path: Path):
+    """The one MP4 that ``generate --save-frames`` wrote in ``output_path``, and its raw uint8 frames
+    (saved beside it) as int32, so differences do not wrap."""
+    import numpy as np
+
+    (path,) = output_path.glob("*.mp4")
+    return path, np.load(output_path / f"{path.stem}.frames.npy").astype(np.int32)
+
+
+def record_rank_starts(monkeypatch) -> list:
+    """Make the CLI record the ``ServeConfig`` it would start ranks with instead of starting them;
+    the list the configs go to."""
+    from tilecast.launcher import cli
+
+    started: list = []
+
+    def run_ranks(config, _entry):
+        started.append(config)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_ranks", run_ranks)
+    return started
+
+
+def flux_step_bench(**options: Any) -> list[dict]:
+    """``run_step_bench`` rows of tiny/flux as the tests run it: float32 on the CPU, no compiled
+    blocks, one warm-up iteration; ``options`` (sizes, ``batch_sizes``, ``iters``, ...) add to those."""
+    from tilecast.launcher.bench.step import run_step_bench
+
+    settings = dict(device="cpu", dtype="float32", compile_blocks=False, warmup=1)
+    return run_step_bench("tiny/flux", **{**settings, **options})
 
 
 def processes_with(marker: str) -> list[int]:
