@@ -1,26 +1,39 @@
-"""Test helpers for running pipelines and servers: one module, two entry points.
+"""Test helpers for running pipelines, servers and commands, and for driving servers: one module.
 
 - ``make_context``: a ``RankContext`` built by hand (what ``start_rank`` builds on a rank), its
   settings a real ``ServeConfig``, for tests that load a pipeline without starting ranks.
-- ``start_server`` and friends: a real ``tilecast serve`` (torchrun ranks) for a test, and make sure
+- ``ServerProcess`` and friends: a real ``tilecast serve`` (torchrun ranks) for a test, and make sure
   nothing outlives it. The server binds ports the OS picks (``--port 0``, and ``--http-port 0`` with
   ``http=True``) and reports them in its ready file, so no test ever races another process for a
   port. The ready file's path, unique per server, is also what finds the server's processes (its
   command line).
+- Command lines: ``serve_args`` (``ServerProcess(*serve_args(model, out, num_gpus=2, ...))``),
+  ``cli_flags`` (any command's flags from keywords), ``k6sr_generate_args`` with ``saved_frames``;
+  ``record_rank_starts`` runs the CLI without ranks; ``flux_step_bench`` the step bench on the CPU.
+- Waiting and talking to a server: ``wait_until`` (poll a condition, fail on a timeout),
+  ``wait_for_state``, ``collect_outcomes`` (every job awaited from a thread of its own; after a
+  rank's ``kill -9``: ``outcomes_after_kill_9``), ``plain_socket`` (a raw ZeroMQ socket, no client
+  library), ``send_chunks`` (a raw HTTP body).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tilecast.client import Client, read_ready_file
+import zmq
+
+from tilecast.client import Client, JobFailedError, ServerDeadError, read_ready_file
 
 
 def tiny_families() -> dict[str, type]:
@@ -77,6 +90,74 @@ def make_context(
         settings=settings,
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
+
+
+def cli_flags(**options: Any) -> list[str]:
+    """Command-line flags from keywords, in their order: ``num_gpus=2`` gives ``--num-gpus 2`` (the
+    value as text), ``save_output=True`` the bare switch ``--save-output``, ``None`` nothing."""
+    flags: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def serve_args(
+    model: str, output_dir: str | Path, *extra: str, num_gpus: int, device: str = "cpu", **options
+) -> list[str]:
+    """The arguments of ``tilecast serve`` for ``model`` on ``num_gpus`` ranks of ``device``, writing
+    to ``output_dir``; then ``options`` as flags (``cli_flags``: ``dp_degree=2``,
+    ``enable_batching_metrics=True``) and ``extra`` as given (flags no keyword can name). For
+    ``ServerProcess(*serve_args(...))``, which adds the ports and the ready file."""
+    flags = cli_flags(model_path=model, num_gpus=num_gpus, device=device, output_dir=output_dir, **options)
+    return [*flags, *extra]
+
+
+def k6sr_generate_args(video: str | Path, output_path: str | Path) -> list[str]:
+    """``tilecast generate`` of the SR topology tests (no topology flags: one rank): tiny/k6sr on
+    the CPU, ``video`` x2 in 2 steps with seed 42, its MP4 and raw frames (``--save-frames``) saved
+    in ``output_path`` (read them with ``saved_frames``)."""
+    return [
+        "generate",
+        *cli_flags(model_path="tiny/k6sr", device="cpu", video_path=video, sr_resolution_scale=2),
+        *cli_flags(num_inference_steps=2, seed=42, save_output=True, output_path=output_path, save_frames=True),
+    ]
+
+
+def saved_frames(output_path: Path):
+    """The one MP4 that ``generate --save-frames`` wrote in ``output_path``, and its raw uint8 frames
+    (saved beside it) as int32, so differences do not wrap."""
+    import numpy as np
+
+    (path,) = output_path.glob("*.mp4")
+    return path, np.load(output_path / f"{path.stem}.frames.npy").astype(np.int32)
+
+
+def record_rank_starts(monkeypatch) -> list:
+    """Make the CLI record the ``ServeConfig`` it would start ranks with instead of starting them;
+    the list the configs go to."""
+    from tilecast.launcher import cli
+
+    started: list = []
+
+    def run_ranks(config, _entry):
+        started.append(config)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_ranks", run_ranks)
+    return started
+
+
+def flux_step_bench(**options: Any) -> list[dict]:
+    """``run_step_bench`` rows of tiny/flux as the tests run it: float32 on the CPU, no compiled
+    blocks, one warm-up iteration; ``options`` (sizes, ``batch_sizes``, ``iters``, ...) add to those."""
+    from tilecast.launcher.bench.step import run_step_bench
+
+    settings = dict(device="cpu", dtype="float32", compile_blocks=False, warmup=1)
+    return run_step_bench("tiny/flux", **{**settings, **options})
 
 
 def processes_with(marker: str) -> list[int]:
@@ -181,3 +262,93 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, *, interval: float = 0.05) -> Any:
+    """Call ``predicate`` every ``interval`` s until it returns something true, and return that; fail
+    the test if ``timeout`` s pass first (``what`` names the awaited event in the message)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(interval)
+    return value
+
+
+def wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20.0) -> None:
+    """Wait until ``job_id`` is in ``state``; fail the test if it is not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (current := client.status(job_id).state) != state:
+        assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s (waited for {state})"
+        time.sleep(0.05)
+
+
+def collect_outcomes(
+    server: ServerProcess, job_ids: Iterable[str], timeout: float, connected: threading.Barrier | None = None
+) -> dict[str, str]:
+    """Wait for every job from its own thread (a client that declares the server dead after 3 s of
+    silence); map job id -> outcome text: ``"<state>: <error>"``, ``"dead: ..."`` or
+    ``"timeout: ..."``. With ``connected``, every thread first hears the server answer ``health``,
+    then waits on the barrier."""
+    outcomes: dict[str, str] = {}
+
+    def wait(job_id: str) -> None:
+        with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
+            try:
+                if connected is not None:
+                    client.health()
+                    connected.wait()
+                result = client.result(job_id, timeout=timeout)
+                outcomes[job_id] = f"{result.job.state}: {result.job.error}"
+            except (ServerDeadError, JobFailedError) as exc:
+                outcomes[job_id] = f"dead: {exc}"
+            except TimeoutError as exc:
+                outcomes[job_id] = f"timeout: {exc}"
+
+    threads = [threading.Thread(target=wait, args=(job_id,)) for job_id in job_ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 10)
+    return outcomes
+
+
+def outcomes_after_kill_9(
+    server: ServerProcess, rank: int, job_ids: Iterable[str], timeout: float
+) -> tuple[dict[str, str], float]:
+    """``kill -9`` rank ``rank`` of ``server`` (failing the test, with the log, if it has no such
+    rank), then ``collect_outcomes`` of ``job_ids``; the outcomes, and the seconds from the kill
+    until every one was known."""
+    worker = rank_pid(server.marker, rank)
+    assert worker is not None, server.log()
+    killed_at = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    outcomes = collect_outcomes(server, job_ids, timeout)
+    return outcomes, time.monotonic() - killed_at
+
+
+@contextlib.contextmanager
+def plain_socket(
+    endpoint: str, kind: int = zmq.DEALER, *, receive_timeout_ms: int | None = None
+) -> Iterator[zmq.Socket]:
+    """A ZeroMQ socket of ``kind`` connected to ``endpoint`` without the client library (no CURVE
+    key, frames as the test writes them), closed on leaving; LINGER 0, so closing never waits.
+    ``receive_timeout_ms``: a receive raises ``zmq.Again`` after that long (default: waits)."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if receive_timeout_ms is not None:
+        sock.setsockopt(zmq.RCVTIMEO, receive_timeout_ms)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def send_chunks(sock: socket.socket, chunks: Iterable[bytes], *, chunked: bool = False) -> None:
+    """Send an HTTP body's ``chunks`` (each in chunked transfer encoding with ``chunked``) for as long
+    as the server takes them: it may answer and close early."""
+    for chunk in chunks:
+        try:
+            sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if chunked else chunk)
+        except OSError:  # the server answered and closed: stop sending
+            break

@@ -10,6 +10,7 @@ import pytest
 import zmq
 from typer.testing import CliRunner
 
+from tests.harness import plain_socket, wait_until
 from tilecast.client import AsyncClient, AuthenticationError, Client, ServerError
 from tilecast.launcher import cli
 from tilecast.runtime.config import ServeConfig
@@ -34,13 +35,6 @@ def _refused_handshakes(server) -> int:
         return client.stats()["refused"]["refused_handshakes"]
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(60)
 def test_the_key_opens_the_server_and_nothing_else_does(keyed_server):
     with Client(keyed_server.endpoint, api_key=KEY) as client:
@@ -56,7 +50,7 @@ def test_the_key_opens_the_server_and_nothing_else_does(keyed_server):
             assert time.monotonic() - started < 10  # refused at the handshake, not after a timeout
             with pytest.raises(AuthenticationError):  # and every later call fails the same way
                 stranger.health()
-    _wait_for(lambda: _refused_handshakes(keyed_server) >= 2)
+    wait_until(lambda: _refused_handshakes(keyed_server) >= 2, 10, "two refused handshakes")
 
 
 @pytest.mark.timeout(60)
@@ -74,16 +68,10 @@ def test_async_client_with_a_wrong_key_is_refused(keyed_server):
 @pytest.mark.timeout(60)
 def test_a_raw_socket_without_curve_gets_no_byte_of_service(keyed_server):
     """A plain DEALER (no key) that sends a shutdown: the handshake fails, nothing is processed."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 1500)
-    sock.connect(keyed_server.endpoint)
-    try:
+    with plain_socket(keyed_server.endpoint, receive_timeout_ms=1500) as sock:
         sock.send_multipart(P.encode(P.ShutdownRequest(req_id=1)))
         with pytest.raises(zmq.Again):
             sock.recv_multipart()
-    finally:
-        sock.close()
     with Client(keyed_server.endpoint, api_key=KEY) as client:
         assert client.health().status == "serving"
 

@@ -142,25 +142,12 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_path):
-    from tests.harness import ServerProcess
+    from tests.harness import ServerProcess, serve_args
 
     TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
+    batching = dict(batching_mode="dynamic", batching_max_size=8, batching_delay_ms=200, enable_batching_metrics=True)
     server = ServerProcess(
-        "--model-path",
-        "tiny/flux",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--batching-mode",
-        "dynamic",
-        "--batching-max-size",
-        "8",
-        "--batching-delay-ms",
-        "200",
-        "--enable-batching-metrics",
-        "--output-dir",
-        str(tmp_path / "out"),
+        *serve_args("tiny/flux", tmp_path / "out", num_gpus=2, **batching),
         env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1"},
         ready_timeout=150.0,
     )

@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tilecast.runtime.models.k6sr.tiny import TRANSFORMER_CONFIG
 
 TOL = 1e-4
-CONFIG = dict(
-    in_visual_dim=16,
-    out_visual_dim=160,
-    time_dim=32,
-    model_dim=192,
-    ff_dim=384,
-    num_visual_blocks=2,
-    axes_dims=(4, 6, 6),
-    tile_sizes=((128, 128), (128, 192), (192, 128)),
-)
+CONFIG = {**TRANSFORMER_CONFIG, "tile_sizes": ((128, 128), (128, 192), (192, 128))}
+"""The tiny/k6sr checkpoint's transformer, with 128x192 rather than 128x256 wide and tall tiles."""
 
 
 def _tiny_dit(num_frames: int = 3):

@@ -14,27 +14,19 @@ thread count, so fp32 sums may be reordered; the arithmetic is otherwise the sam
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tilecast.client import Client, JobFailedError, ServerDeadError
+from tests.harness import ServerProcess, outcomes_after_kill_9, serve_args, wait_until
+from tilecast.client import Client
 from tilecast.runtime.replicas import replica_errors, serving_layout
 from tilecast.runtime.watchdog import ProgressBeat, Watchdog, WatchdogConfig
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import BatchingConfig
 from tilecast.scheduler.http_metrics import Exposition, scheduler_metrics
 from tilecast.scheduler.scheduler import Scheduler
-
-try:  # the server helpers moved from tests/servers.py to tests/harness.py
-    from tests.harness import ServerProcess, rank_pid
-except ImportError:  # pragma: no cover - before the move
-    from tests.servers import ServerProcess, rank_pid  # type: ignore[no-redef]
 
 FLUX_TOL = 1e-4
 SMALL = dict(width=32, height=32)
@@ -210,10 +202,39 @@ def _plans(log_dir: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(log_dir.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.timeout(300)
-def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_rank(tiny_cache, tmp_path):
+def _flux_server(tiny_cache, tmp_path, plans: Path, *, num_gpus: int, ready_timeout: float, **layout) -> ServerProcess:
+    """tiny/flux on ``num_gpus`` CPU ranks of one thread each, laid out by ``layout``
+    (``dp_degree=2``, ...), each rank recording its plans in ``plans``."""
+    return ServerProcess(
+        *serve_args("tiny/flux", tmp_path / "out", num_gpus=num_gpus, **layout),
+        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1", "TILECAST_PLAN_LOG_DIR": str(plans)},
+        ready_timeout=ready_timeout,
+    )
+
+
+def _generate_at_once(server: ServerProcess, requests: list[dict], timeout: float) -> list:
+    """Every request from a thread of its own, all at once; their results, in order."""
+    with server.client(timeout=timeout) as client:
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            return list(pool.map(lambda fields: client.generate(timeout=timeout, **fields), requests))
+
+
+def _assert_flux_matches_one_rank(requests: list[dict], results: list, output_dir: Path) -> None:
+    """Each result's image equals, within FLUX_TOL, the one a one-rank in-process server makes of its
+    request."""
     from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
+
+    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, output_dir=output_dir)
+    with InProcessServer(config) as one, Client(one.endpoint, timeout=120.0) as client:
+        for fields, result in zip(requests, results):
+            alone = client.generate(timeout=120.0, **fields)
+            diff = (result.tensor("image") - alone.tensor("image")).abs().max().item()
+            assert diff <= FLUX_TOL, (fields["seed"], diff)
+
+
+@pytest.mark.timeout(300)
+def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_rank(tiny_cache, tmp_path):
     from tilecast.runtime.models.families.flux import TINY_FLUX
 
     TINY_FLUX.ensure(tiny_cache)  # built once here, not raced by the ranks
@@ -222,24 +243,10 @@ def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_r
     requests = [
         dict(prompt=f"replica {i}", seed=i, num_inference_steps=24, return_tensor=True, **SMALL) for i in range(8)
     ]
-    server = ServerProcess(
-        "--model-path",
-        "tiny/flux",
-        "--num-gpus",
-        "2",
-        "--dp-degree",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "out"),
-        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1", "TILECAST_PLAN_LOG_DIR": str(plans)},
-        ready_timeout=150.0,
-    )
+    server = _flux_server(tiny_cache, tmp_path, plans, num_gpus=2, dp_degree=2, ready_timeout=150.0)
     try:
-        with server.client(timeout=120.0) as client:
-            with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-                results = list(pool.map(lambda fields: client.generate(timeout=120.0, **fields), requests))
+        results = _generate_at_once(server, requests, timeout=120.0)
+        with server.client() as client:
             groups = client.stats()["groups"]
     finally:
         server.stop()
@@ -254,40 +261,15 @@ def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_r
     overlap = any(a["start"] < b["end"] and b["start"] < a["end"] for a in by_group[0] for b in by_group[1])
     assert overlap, records  # the two groups computed at the same time
     assert [g["jobs_completed"] for g in groups] == [len(jobs[0]), len(jobs[1])], groups
-    # every output equals the one-rank server's
-    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, output_dir=tmp_path / "one")
-    with InProcessServer(config) as one, Client(one.endpoint, timeout=120.0) as client:
-        for fields, result in zip(requests, results):
-            alone = client.generate(timeout=120.0, **fields)
-            diff = (result.tensor("image") - alone.tensor("image")).abs().max().item()
-            assert diff <= FLUX_TOL, (fields["seed"], diff)
+    _assert_flux_matches_one_rank(requests, results, tmp_path / "one")
 
 
-def _probe_server(tmp_path, *extra, plans: Path | None = None) -> ServerProcess:
+def _probe_server(tmp_path, plans: Path | None = None) -> ServerProcess:
+    """The probe on two replica groups of one CPU rank each, declared dead after 5 s without a
+    heartbeat; with ``plans``, each rank records its plans there."""
     env = {"TILECAST_PLAN_LOG_DIR": str(plans)} if plans is not None else {}
-    return ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--dp-degree",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--heartbeat-timeout-s",
-        "5",
-        *extra,
-        env=env,
-    )
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.05)
+    args = serve_args("test/allreduce", tmp_path / "out", num_gpus=2, dp_degree=2, heartbeat_timeout_s=5)
+    return ServerProcess(*args, env=env)
 
 
 @pytest.mark.timeout(150)
@@ -300,11 +282,11 @@ def test_progress_and_cancel_in_each_group(tmp_path):
     try:
         with server.client() as client:
             jobs = [client.submit(size=2, steps=200, sleep_s=0.05, seed=i) for i in range(2)]
-            _wait(lambda: all(0 < client.status(j).progress < 1 for j in jobs), 30, "progress in both groups")
+            wait_until(lambda: all(0 < client.status(j).progress < 1 for j in jobs), 30, "progress in both groups")
             assert [g["busy"] for g in client.stats()["groups"]] == [True, True]
             for job in jobs:
                 client.cancel(job)
-            _wait(lambda: all(client.status(j).state == "cancelled" for j in jobs), 10, "both cancels")
+            wait_until(lambda: all(client.status(j).state == "cancelled" for j in jobs), 10, "both cancels")
             assert all(client.status(j).progress < 1 for j in jobs)
             assert not list((tmp_path / "out").glob("*.json"))
             after = [client.generate(size=2, seed=7 + i, timeout=30) for i in range(2)]
@@ -323,29 +305,8 @@ def test_kill_9_in_one_group_fails_every_job_in_every_group(tmp_path):
     try:
         with server.client() as client:
             jobs = [client.submit(size=2, steps=60, sleep_s=0.25, seed=i) for i in range(4)]
-            _wait(lambda: [client.status(j).state for j in jobs[:2]] == ["running", "running"], 30, "two running")
-        worker = rank_pid(server.marker, 1)
-        assert worker is not None, server.log()
-        killed_at = time.monotonic()
-        os.kill(worker, signal.SIGKILL)
-        outcomes: dict[str, str] = {}
-
-        def wait(job_id: str) -> None:
-            with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as c:
-                try:
-                    result = c.result(job_id, timeout=40)
-                    outcomes[job_id] = f"{result.job.state}: {result.job.error}"
-                except (ServerDeadError, JobFailedError) as exc:
-                    outcomes[job_id] = f"dead: {exc}"
-                except TimeoutError as exc:
-                    outcomes[job_id] = f"timeout: {exc}"
-
-        threads = [threading.Thread(target=wait, args=(j,)) for j in jobs]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(50)
-        elapsed = time.monotonic() - killed_at
+            wait_until(lambda: [client.status(j).state for j in jobs[:2]] == ["running", "running"], 30, "two running")
+        outcomes, elapsed = outcomes_after_kill_9(server, 1, jobs, timeout=40)
         assert set(outcomes) == set(jobs)
         for job_id, outcome in outcomes.items():
             assert outcome.startswith(("failed", "dead")), (job_id, outcome)
@@ -369,28 +330,15 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
     plans = tmp_path / "plans"
     plans.mkdir()
     server = ServerProcess(
-        "--model-path",
-        "tiny/k6sr",
-        "--num-gpus",
-        "4",
-        "--dp-degree",
-        "2",
-        "--ulysses-degree",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--allowed-video-dir",
-        str(tmp_path),
+        *serve_args(
+            "tiny/k6sr", tmp_path / "out", num_gpus=4, dp_degree=2, ulysses_degree=2, allowed_video_dir=tmp_path
+        ),
         env={"TILECAST_PLAN_LOG_DIR": str(plans)},
         ready_timeout=240.0,
     )
     request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=2, seed=3, return_frames=True)
     try:
-        with server.client(timeout=240.0) as client:
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                first, second = pool.map(lambda _: client.generate(timeout=240.0, **request), range(2))
+        first, second = _generate_at_once(server, [request, request], timeout=240.0)
     finally:
         server.stop()
     assert not server.leftovers()
@@ -412,8 +360,6 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
 def test_dp2_by_ulysses2_flux_matches_one_rank(tiny_cache, tmp_path):
     """4 ranks, 2 groups of Ulysses 2 on tiny/flux: each group splits the image tokens over its two
     ranks, the groups run different requests, and every output equals one rank's within FLUX_TOL."""
-    from tilecast.runtime.config import ServeConfig
-    from tilecast.runtime.inproc import InProcessServer
     from tilecast.runtime.models.families.flux import TINY_FLUX
 
     TINY_FLUX.ensure(tiny_cache)
@@ -422,34 +368,12 @@ def test_dp2_by_ulysses2_flux_matches_one_rank(tiny_cache, tmp_path):
     requests = [
         dict(prompt=f"grid {i}", seed=10 + i, num_inference_steps=2, return_tensor=True, **SMALL) for i in range(4)
     ]
-    server = ServerProcess(
-        "--model-path",
-        "tiny/flux",
-        "--num-gpus",
-        "4",
-        "--dp-degree",
-        "2",
-        "--ulysses-degree",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "out"),
-        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1", "TILECAST_PLAN_LOG_DIR": str(plans)},
-        ready_timeout=200.0,
-    )
+    server = _flux_server(tiny_cache, tmp_path, plans, num_gpus=4, dp_degree=2, ulysses_degree=2, ready_timeout=200.0)
     try:
-        with server.client(timeout=200.0) as client:
-            with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-                results = list(pool.map(lambda fields: client.generate(timeout=200.0, **fields), requests))
+        results = _generate_at_once(server, requests, timeout=200.0)
     finally:
         server.stop()
     assert not server.leftovers()
     records = _plans(plans)
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}, records
-    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, output_dir=tmp_path / "one")
-    with InProcessServer(config) as one, Client(one.endpoint, timeout=120.0) as client:
-        for fields, result in zip(requests, results):
-            alone = client.generate(timeout=120.0, **fields)
-            diff = (result.tensor("image") - alone.tensor("image")).abs().max().item()
-            assert diff <= FLUX_TOL, (fields["seed"], diff)
+    _assert_flux_matches_one_rank(requests, results, tmp_path / "one")

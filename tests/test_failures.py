@@ -3,67 +3,19 @@ a clear error, clients hear about it, the launcher exits, and no rank process is
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
 import pytest
 
-from tests.harness import ServerProcess, rank_pid
-from tilecast.client import Client, JobFailedError, ServerDeadError
+from tests.harness import ServerProcess, collect_outcomes, outcomes_after_kill_9, serve_args, wait_for_state
+from tilecast.client import Client, ServerDeadError
 
 
-def _wait_for_state(client: Client, job_id: str, state: str, timeout: float = 20.0) -> None:
-    """Wait until ``job_id`` is in ``state``; fail the test if it is not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while (current := client.status(job_id).state) != state:
-        assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s (waited for {state})"
-        time.sleep(0.05)
-
-
-def _collect_outcomes(
-    server: ServerProcess, job_ids: list[str], timeout: float, connected: threading.Barrier | None = None
-) -> dict[str, str]:
-    """Wait for every job from its own thread; map job id -> terminal outcome text. With
-    ``connected``, every thread first hears the server answer ``health``, then waits on it."""
-    outcomes: dict[str, str] = {}
-
-    def wait(job_id: str) -> None:
-        with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
-            try:
-                if connected is not None:
-                    client.health()
-                    connected.wait()
-                result = client.result(job_id, timeout=timeout)
-                outcomes[job_id] = f"{result.job.state}: {result.job.error}"
-            except (ServerDeadError, JobFailedError) as exc:
-                outcomes[job_id] = f"dead: {exc}"
-            except TimeoutError as exc:
-                outcomes[job_id] = f"timeout: {exc}"
-
-    threads = [threading.Thread(target=wait, args=(job_id,)) for job_id in job_ids]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout + 10)
-    return outcomes
-
-
-def _start(tmp_path, *extra: str) -> ServerProcess:
-    return ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path),
-        "--heartbeat-timeout-s",
-        "5",
-        *extra,
-    )
+def _start(tmp_path, **options) -> ServerProcess:
+    """The probe on two CPU ranks, declared dead after 5 s without a heartbeat."""
+    return ServerProcess(*serve_args("test/allreduce", tmp_path, num_gpus=2, heartbeat_timeout_s=5, **options))
 
 
 @pytest.mark.timeout(150)
@@ -72,13 +24,8 @@ def test_kill_9_of_a_worker_fails_every_job_quickly(tmp_path):
     try:
         with server.client() as client:
             jobs = [client.submit(size=2, steps=40, sleep_s=0.25, seed=i) for i in range(4)]
-            _wait_for_state(client, jobs[0], "running")
-        worker = rank_pid(server.marker, 1)
-        assert worker is not None, server.log()
-        killed_at = time.monotonic()
-        os.kill(worker, signal.SIGKILL)
-        outcomes = _collect_outcomes(server, jobs, timeout=40)
-        elapsed = time.monotonic() - killed_at
+            wait_for_state(client, jobs[0], "running")
+        outcomes, elapsed = outcomes_after_kill_9(server, 1, jobs, timeout=40)
         assert set(outcomes) == set(jobs)
         for job_id, outcome in outcomes.items():
             assert outcome.startswith(("failed", "dead")), (job_id, outcome)
@@ -96,13 +43,13 @@ def test_kill_9_of_a_worker_fails_every_job_quickly(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_stuck_rank_is_detected_and_every_job_fails(tmp_path):
-    server = _start(tmp_path, "--stuck-timeout-s", "4")
+    server = _start(tmp_path, stuck_timeout_s=4)
     try:
         with server.client() as client:
             stuck = client.submit(size=2, hang_rank=1)
             queued = [client.submit(size=2, seed=i) for i in range(3)]
         started = time.monotonic()
-        outcomes = _collect_outcomes(server, [stuck, *queued], timeout=40)
+        outcomes = collect_outcomes(server, [stuck, *queued], timeout=40)
         assert time.monotonic() - started < 30
         for job_id, outcome in outcomes.items():
             assert outcome.startswith(("failed", "dead")), (job_id, outcome)
@@ -120,11 +67,11 @@ def test_sigterm_stops_everything_cleanly(tmp_path):
         with server.client() as client:
             running = client.submit(size=2, steps=40, sleep_s=0.25)
             queued = client.submit(size=2)
-            _wait_for_state(client, running, "running")
+            wait_for_state(client, running, "running")
         results: dict[str, str] = {}
         connected = threading.Barrier(3, timeout=20)
         waiter = threading.Thread(
-            target=lambda: results.update(_collect_outcomes(server, [running, queued], 30, connected))
+            target=lambda: results.update(collect_outcomes(server, [running, queued], 30, connected))
         )
         waiter.start()
         connected.wait()  # both waiters reached the server (BrokenBarrierError fails the test)

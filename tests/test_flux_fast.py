@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import make_context
+from tests.harness import flux_step_bench, make_context
 from tilecast.kernels.attention import BackendUnavailableError
 from tilecast.runtime.models.families import flux_fast
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
@@ -83,20 +83,7 @@ def test_flux_honours_backend_and_compile_and_refuses_the_rest():
 
 
 def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):
-    from tilecast.launcher.bench.step import run_step_bench
-
-    rows = run_step_bench(
-        "tiny/flux",
-        width=32,
-        height=48,
-        batch_sizes=[1, 3],
-        device="cpu",
-        dtype="float32",
-        compile_blocks=False,
-        attention_backend="sdpa_math",
-        warmup=1,
-        iters=2,
-    )
+    rows = flux_step_bench(width=32, height=48, batch_sizes=[1, 3], attention_backend="sdpa_math", iters=2)
     assert [row["batch"] for row in rows] == [1, 3]
     for row in rows:
         assert row["diffusers_ms"] > 0 and row["tilecast_ms"] > 0 and row["tflop"] > 0

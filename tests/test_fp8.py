@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import cli_flags, flux_step_bench
 from tilecast.kernels import fp8
 from tilecast.kernels.fp8 import E4M3_MAX, Fp8Linear, quantize_linears, quantize_rows
 from tilecast.runtime.config import ServeConfig
@@ -145,20 +146,7 @@ def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
 
 
 def test_bench_step_reports_the_fp8_difference(tiny_cache):
-    from tilecast.launcher.bench.step import run_step_bench
-
-    (row,) = run_step_bench(
-        "tiny/flux",
-        width=32,
-        height=32,
-        batch_sizes=[2],
-        device="cpu",
-        dtype="float32",
-        compile_blocks=False,
-        quantize="fp8",
-        warmup=1,
-        iters=1,
-    )
+    (row,) = flux_step_bench(width=32, height=32, batch_sizes=[2], quantize="fp8", iters=1)
     assert 0 < row["max_rel_diff"] <= 0.05 and 45.0 <= row["psnr_db"] < float("inf")
 
 
@@ -169,30 +157,11 @@ def test_generate_passes_quantize_to_the_flux_pipeline(tiny_cache, tmp_path):
     images = {}
     for name, extra in (("plain", []), ("fp8", ["--quantize", "fp8"])):
         out = tmp_path / name
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tilecast",
-                "generate",
-                "--model-path",
-                "tiny/flux",
-                "--device",
-                "cpu",
-                "--prompt",
-                "a red boat",
-                "--width",
-                "32",
-                "--height",
-                "32",
-                "--output-path",
-                str(out),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
+        args = cli_flags(
+            model_path="tiny/flux", device="cpu", prompt="a red boat", width=32, height=32, output_path=out
         )
+        command = [sys.executable, "-m", "tilecast", "generate", *args, *extra]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
         images[name] = (out / "flux_seed42.png").read_bytes()
     assert images["fp8"] != images["plain"]

@@ -15,6 +15,7 @@ import av
 import numpy as np
 import pytest
 
+from tests.harness import k6sr_generate_args, saved_frames
 from tilecast.runtime.synthetic import write_test_video
 
 TOPOLOGIES = {
@@ -37,33 +38,10 @@ def _audio(path) -> np.ndarray:
 
 
 def _generate(video, out, *topology) -> tuple:
-    command = [
-        sys.executable,
-        "-m",
-        "tilecast",
-        "generate",
-        "--model-path",
-        "tiny/k6sr",
-        "--device",
-        "cpu",
-        "--video-path",
-        str(video),
-        "--sr-resolution-scale",
-        "2",
-        "--num-inference-steps",
-        "2",
-        "--seed",
-        "42",
-        "--save-output",
-        "--output-path",
-        str(out),
-        "--save-frames",
-        *topology,
-    ]
+    command = [sys.executable, "-m", "tilecast", *k6sr_generate_args(video, out), *topology]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    (path,) = out.glob("*.mp4")
-    return path, np.load(out / f"{path.stem}.frames.npy").astype(np.int32)
+    return saved_frames(out)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, send_chunks, serve_args, wait_until
 from tests.media import write_test_video
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.http_server import HttpFrontEnd
@@ -52,26 +52,10 @@ def media(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(media, tmp_path_factory):
     """A 2-rank CPU server with the HTTP front end; yields its base URL."""
-    out_dir = tmp_path_factory.mktemp("outputs")
-    proc = ServerProcess(
-        "--model-path",
-        "tiny/k6sr",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--http-port",
-        "0",
-        "--allowed-video-dir",
-        str(media),
-        "--max-upload-mb",
-        "1",
-        "--output-dir",
-        str(out_dir),
-        "--max-queued-upload-mb",
-        f"{QUEUED_UPLOADS * (media / 'clip.mp4').stat().st_size / 2**20:.6f}",
-        ready_timeout=240.0,
-    )
+    queued_upload_mb = f"{QUEUED_UPLOADS * (media / 'clip.mp4').stat().st_size / 2**20:.6f}"
+    limits = dict(allowed_video_dir=media, max_upload_mb=1, max_queued_upload_mb=queued_upload_mb)
+    args = serve_args("tiny/k6sr", tmp_path_factory.mktemp("outputs"), num_gpus=2, **limits)
+    proc = ServerProcess(*args, http=True, ready_timeout=240.0)
     try:
         url = proc.http_url
         deadline = time.monotonic() + 30
@@ -148,11 +132,7 @@ def raw_post(port: int, headers: dict[str, str], chunks: list[bytes] = (), chunk
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         head = "POST /v1/videos HTTP/1.1\r\nHost: test\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         sock.sendall(head.encode() + b"\r\n")
-        for chunk in chunks:
-            try:
-                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if chunked else chunk)
-            except OSError:  # the server answered and closed: stop sending
-                break
+        send_chunks(sock, chunks, chunked=chunked)
         reply = b""
         while b"\r\n\r\n" not in reply:
             data = sock.recv(65536)
@@ -282,10 +262,7 @@ def test_delete_queued_and_running_jobs(http, media):
     assert http.delete(f"/v1/videos/{second['id']}").status_code == 404  # already gone
     assert second["id"] not in [job["id"] for job in http.get("/v1/videos", params={"limit": 100}).json()["data"]]
 
-    deadline = time.monotonic() + 60
-    while http.get(f"/v1/videos/{first['id']}").json()["status"] == "queued":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: http.get(f"/v1/videos/{first['id']}").json()["status"] != "queued", 60, "the first job's start")
     early = http.get(f"/v1/videos/{first['id']}/content")
     assert early.status_code == 404 and early.json()["error"]["code"] == "job_running"  # as the reference
     assert "still in progress" in early.json()["error"]["message"]
@@ -389,10 +366,7 @@ def test_queued_uploads_have_a_total_cap_answered_with_503_and_retry_after(http,
     running = http.post(
         "/v1/videos", json={"video_path": str(long_clip), "sr_resolution_scale": 4, "num_inference_steps": 8}
     ).json()  # a server-side file: no upload bytes
-    deadline = time.monotonic() + 60
-    while http.get(f"/v1/videos/{running['id']}").json()["status"] == "queued":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: http.get(f"/v1/videos/{running['id']}").json()["status"] != "queued", 60, "the long job's start")
     clip = (media / "clip.mp4").read_bytes()
     upload = lambda seed: http.post(
         "/v1/videos",

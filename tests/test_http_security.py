@@ -29,7 +29,7 @@ import httpx
 import openai
 import pytest
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, send_chunks, serve_args
 from tests.test_http_api import metric_values
 from tilecast.client import Client, ServerError
 from tilecast.scheduler.http_api import MAX_JSON_BYTES
@@ -54,20 +54,8 @@ def server(tmp_path_factory):
     """1-rank CPU tiny/flux with ``--api-key`` and the HTTP front end; ``.url`` is its base URL."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TILECAST_API_KEY", API_KEY)  # what ServerProcess's readiness client presents
-        proc = ServerProcess(
-            "--model-path",
-            "tiny/flux",
-            "--num-gpus",
-            "1",
-            "--device",
-            "cpu",
-            "--api-key",
-            API_KEY,
-            "--output-dir",
-            str(tmp_path_factory.mktemp("outputs")),
-            http=True,
-            ready_timeout=240.0,
-        )
+        args = serve_args("tiny/flux", tmp_path_factory.mktemp("outputs"), num_gpus=1, api_key=API_KEY)
+        proc = ServerProcess(*args, http=True, ready_timeout=240.0)
         try:
             proc.url = proc.http_url
             yield proc
@@ -86,11 +74,7 @@ def raw_request(url: str, head: str, chunks=(), *, chunked: bool = False) -> tup
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(head.encode() + b"\r\n")
-        for chunk in chunks:
-            try:
-                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if chunked else chunk)
-            except OSError:  # the server answered and closed: stop sending
-                break
+        send_chunks(sock, chunks, chunked=chunked)
         reply = b""
         while True:
             try:

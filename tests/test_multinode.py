@@ -22,30 +22,11 @@ import time
 import numpy as np
 import pytest
 
+from tests.harness import k6sr_generate_args, saved_frames
 from tilecast.launcher.torchrun import with_parent_death_signal
 from tilecast.runtime.synthetic import write_test_video
 
-GENERATE = [
-    "generate",
-    "--model-path",
-    "tiny/k6sr",
-    "--device",
-    "cpu",
-    "--sr-resolution-scale",
-    "2",
-    "--num-inference-steps",
-    "2",
-    "--seed",
-    "42",
-    "--save-output",
-    "--save-frames",
-]
 TIMEOUT_S = 240
-
-
-def _frames(out) -> tuple:
-    (path,) = out.glob("*.mp4")
-    return path, np.load(out / f"{path.stem}.frames.npy").astype(np.int32)
 
 
 def _env() -> dict:
@@ -88,7 +69,7 @@ def clip(tmp_path_factory):
 def single_rank(clip, tmp_path_factory):
     out = tmp_path_factory.mktemp("r1")
     done = subprocess.run(
-        [sys.executable, "-m", "tilecast", *GENERATE, "--video-path", str(clip), "--output-path", str(out)],
+        [sys.executable, "-m", "tilecast", *k6sr_generate_args(clip, out)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -96,7 +77,7 @@ def single_rank(clip, tmp_path_factory):
         env=_env(),
     )  # also builds the tiny checkpoint, which ranks under torchrun only verify
     assert done.returncode == 0, done.stdout + done.stderr
-    return _frames(out)
+    return saved_frames(out)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -133,11 +114,7 @@ def test_generate_on_two_nodes_matches_one_rank(clip, single_rank, tmp_path):
                 "0",
                 "-m",
                 "tilecast",
-                *GENERATE,
-                "--video-path",
-                str(clip),
-                "--output-path",
-                str(out),
+                *k6sr_generate_args(clip, out),
                 *topology,
             ]
             procs.append(
@@ -166,7 +143,7 @@ def test_generate_on_two_nodes_matches_one_rank(clip, single_rank, tmp_path):
     assert codes == [0, 0], text
     assert "picker covers" not in text and "topology error" not in text
 
-    path, frames = _frames(out)
+    path, frames = saved_frames(out)
     ref_path, ref = single_rank
     assert path.name == ref_path.name == "clip_srx2_seed42.mp4"
     assert frames.shape == ref.shape == (9, 128, 384, 3)

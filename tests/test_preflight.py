@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from tests.harness import record_rank_starts
 from tilecast.launcher import cli, preflight
 from tilecast.runtime import picker
 from tilecast.runtime.config import ServeConfig
@@ -13,14 +14,7 @@ from tilecast.runtime.config import ServeConfig
 @pytest.fixture
 def started(monkeypatch):
     """Record the config the command would start ranks with, instead of starting them."""
-    calls: list[ServeConfig] = []
-
-    def run_ranks(config, _entry):
-        calls.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_run_ranks", run_ranks)
-    return calls
+    return record_rank_starts(monkeypatch)
 
 
 def _invoke(*args: str):

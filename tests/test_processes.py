@@ -18,32 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import ServerProcess, processes_with, rank_pid
+from tests.harness import ServerProcess, processes_with, rank_pid, serve_args, wait_for_state
 from tilecast.client import AsyncClient, Client, JobFailedError, ServerDeadError, read_ready_file
 
 
-def _serve(tmp_path, num_gpus: int, *extra: str, **kwargs) -> ServerProcess:
-    return ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        str(num_gpus),
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path),
-        "--heartbeat-timeout-s",
-        "5",
-        *extra,
-        **kwargs,
-    )
-
-
-def _wait_running(client: Client, job_id: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (state := client.status(job_id).state) != "running":
-        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
-        time.sleep(0.05)
+def _serve(tmp_path, num_gpus: int, **kwargs) -> ServerProcess:
+    """The probe on ``num_gpus`` CPU ranks, declared dead after 5 s without a heartbeat; ``kwargs``
+    go to ``ServerProcess`` (``http``, ``env``)."""
+    return ServerProcess(*serve_args("test/allreduce", tmp_path, num_gpus=num_gpus, heartbeat_timeout_s=5), **kwargs)
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -130,7 +112,7 @@ def test_one_rank_server_stops_cleanly_on_a_signal(tmp_path, signum):
         outcome: dict = {}
         with server.client() as client:
             job = client.submit(size=2, steps=100, sleep_s=0.2)
-            _wait_running(client, job)
+            wait_for_state(client, job, "running")
             waiting = threading.Event()
 
             def wait() -> None:
@@ -173,7 +155,7 @@ def test_rank_0_death_gives_waiting_clients_server_dead_error(tmp_path):
     try:
         with server.client() as client:
             job = client.submit(size=2, steps=200, sleep_s=0.2)
-            _wait_running(client, job)
+            wait_for_state(client, job, "running")
         ready = threading.Barrier(3, timeout=20)
         killed_at: list[float] = []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, serve_args
 from tests.media import write_test_video
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
@@ -28,22 +28,7 @@ BATCHING = dict(batching_mode="dynamic", batching_max_size=4, batching_delay_ms=
 @pytest.fixture(scope="module")
 def torchrun_probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("out2")
-    server = ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--batching-mode",
-        "dynamic",
-        "--batching-max-size",
-        "4",
-        "--batching-delay-ms",
-        "400",
-    )
+    server = ServerProcess(*serve_args("test/allreduce", out, num_gpus=2, **BATCHING))
     try:
         yield server, out
     finally:
@@ -229,19 +214,7 @@ def test_k6sr_two_ranks_progress_and_cancel(tmp_path, layout):
     request is served."""
     video = write_test_video(tmp_path / "clip.mp4", 96, 96, 9, 24.0)  # four tiles at x2
     out = tmp_path / "out"
-    server = ServerProcess(
-        "--model-path",
-        "tiny/k6sr",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--allowed-video-dir",
-        str(tmp_path),
-        *layout,
-    )
+    server = ServerProcess(*serve_args("tiny/k6sr", out, *layout, num_gpus=2, allowed_video_dir=tmp_path))
     try:
         with server.client() as client:
             request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=40)

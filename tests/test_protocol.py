@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from tests.harness import plain_socket
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
@@ -124,12 +125,7 @@ def small_server(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_malformed_corpus_gets_errors_and_server_keeps_serving(small_server):
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(small_server.endpoint)
-    try:
+    with plain_socket(small_server.endpoint, receive_timeout_ms=5000) as sock:
         for frames in MALFORMED:
             if not frames:
                 continue  # ZeroMQ cannot send an empty multipart message
@@ -148,10 +144,9 @@ def test_malformed_corpus_gets_errors_and_server_keeps_serving(small_server):
         assert isinstance(reply, P.ErrorReply) and reply.req_id == 7 and reply.code == "bad_request", reply
         assert "15017 bytes, over this server's limit of 10485 bytes (--max-message-mb)" in reply.message
         # Over twice the limit ZeroMQ drops the frame with the connection before it is buffered.
-        big = socket_that_sends(context, small_server.endpoint, [b"S", b"x" * 50_000])
-        big.close()
-    finally:
-        sock.close()
+        with plain_socket(small_server.endpoint) as big:
+            big.send_multipart([b"S", b"x" * 50_000])
+            assert big.poll(500) == 0  # no reply: the server dropped it
     with Client(small_server.endpoint) as client:
         assert client.health().status == "serving"
         result = client.generate(size=2, seed=3, timeout=30)
@@ -161,28 +156,13 @@ def test_malformed_corpus_gets_errors_and_server_keeps_serving(small_server):
 
 @pytest.mark.timeout(60)
 def test_req_sockets_get_replies(small_server):
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(small_server.endpoint)
-    try:
+    with plain_socket(small_server.endpoint, zmq.REQ, receive_timeout_ms=5000) as sock:
         sock.send_multipart(P.encode(P.HealthRequest(req_id=5)))
         reply, _ = P.decode(sock.recv_multipart())
         assert isinstance(reply, P.HealthReply) and reply.req_id == 5 and reply.status == "serving"
         sock.send_multipart([b"Z", b"junk"])  # REQ's strict send/receive turns: a malformed message is answered too
         reply, _ = P.decode(sock.recv_multipart())
         assert isinstance(reply, P.ErrorReply) and reply.code == "bad_request"
-    finally:
-        sock.close()
-
-
-def socket_that_sends(context, endpoint, frames):
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send_multipart(frames)
-    assert sock.poll(500) == 0  # no reply: the server dropped it
-    return sock
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import make_context
+from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
@@ -143,38 +143,10 @@ def test_a_supported_flag_still_starts(tiny_cache, tmp_path):
 def test_generate_stops_at_start_up_on_every_rank_naming_the_flag(tiny_cache, tmp_path):
     """Two gloo ranks of ``tilecast generate``: each rank refuses the setting, the command fails."""
     env = {**os.environ, "TILECAST_CACHE": str(tiny_cache)}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-P",
-            "-m",
-            "tilecast",
-            "generate",
-            "--model-path",
-            "tiny/flux",
-            "--device",
-            "cpu",
-            "--num-gpus",
-            "2",
-            "--ulysses-degree",
-            "1",
-            "--ring-degree",
-            "1",
-            "--tile-parallel",
-            "--prompt",
-            "x",
-            "--width",
-            "32",
-            "--height",
-            "32",
-            "--output-path",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
+    args = cli_flags(model_path="tiny/flux", device="cpu", prompt="x", width=32, height=32, output_path=tmp_path)
+    topology = cli_flags(num_gpus=2, ulysses_degree=1, ring_degree=1, tile_parallel=True)
+    command = [sys.executable, "-P", "-m", "tilecast", "generate", *args, *topology]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
     text = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, text
     for rank in (0, 1):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, serve_args, wait_until
 from tilecast.client import Client, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
@@ -95,10 +95,7 @@ def test_outputs_expire_after_the_retention_time(tmp_path):
     with InProcessServer(config) as srv, Client(srv.endpoint) as client:
         job = client.generate(size=2, timeout=30).job.job_id
         assert len(entries(tmp_path)) == 1
-        deadline = time.monotonic() + 10
-        while entries(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert entries(tmp_path) == []
+        wait_until(lambda: entries(tmp_path) == [], 10, "the expired output's deletion", interval=0.1)
         with pytest.raises(ServerError) as err:
             client.result(job, timeout=10)
         assert err.value.code == "gone" and "--output-retention-s" in err.value.message, err.value
@@ -134,10 +131,7 @@ def test_family_job_folders_stay_bounded_and_delete_removes_them(flux):
         while client.status(running).state != "running" and time.monotonic() < deadline:
             time.sleep(0.02)
         client.delete(running)  # a running job: cancelled at its next step, then forgotten
-        deadline = time.monotonic() + 10
-        while srv.zero.scheduler.table.jobs.get(running) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert srv.zero.scheduler.table.jobs.get(running) is None
+        wait_until(lambda: srv.zero.scheduler.table.jobs.get(running) is None, 10, "the deleted job's removal")
         assert not (out / running).exists()
         assert client.generate(prompt="after", width=32, height=32, num_inference_steps=1, timeout=60).files
 
@@ -145,18 +139,7 @@ def test_family_job_folders_stay_bounded_and_delete_removes_them(flux):
 @pytest.mark.timeout(120)
 def test_two_ranks_cli_flags_bound_the_outputs(tmp_path):
     server = ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path),
-        "--max-stored-outputs",
-        "3",
-        "--output-retention-s",
-        "600",
+        *serve_args("test/allreduce", tmp_path, num_gpus=2, max_stored_outputs=3, output_retention_s=600)
     )
     try:
         with server.client() as client:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, serve_args
 from tilecast.client import AsyncClient, Client, JobFailedError, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
@@ -29,16 +29,7 @@ def probe_log_dir(tmp_path_factory):
 def torchrun_server(tmp_path_factory, probe_log_dir):
     out = tmp_path_factory.mktemp("out")
     server = ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--max-queued-requests",
-        "64",
+        *serve_args("test/allreduce", out, num_gpus=2, max_queued_requests=64),
         env={"TILECAST_PROBE_LOG_DIR": str(probe_log_dir)},
     )
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.harness import record_rank_starts
 from tilecast.launcher import cli
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.settings import SERVE_ONLY_SECTIONS, declared
@@ -31,15 +32,8 @@ CONTEXT = {  # flags a sample value needs besides its own
 @pytest.fixture
 def captured(monkeypatch):
     """The ``ServeConfig`` a command would start ranks with (no rank starts, no topology check)."""
-    seen: list[ServeConfig] = []
-
-    def run_ranks(config, _entry):
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_run_ranks", run_ranks)
     monkeypatch.setattr(cli, "validate_topology", lambda config: None)
-    return seen
+    return record_rank_starts(monkeypatch)
 
 
 def _sample(item, tmp_path: Path):

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.harness import ServerProcess
+from tests.harness import ServerProcess, plain_socket, serve_args
 from tilecast.scheduler import protocol as P
 
 NUM_THREADS = 8
@@ -64,21 +64,16 @@ class Tally:
 
 
 def send_malformed(endpoint: str, frames: list[bytes], tally: Tally) -> None:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart(frames)
-        reply, _ = P.decode(sock.recv_multipart())
-        if isinstance(reply, P.ErrorReply) and reply.code == "bad_request":
-            tally.add(malformed_answered=1)
-        else:
-            tally.problem(f"malformed {frames[0]!r} got {reply!r}")
-    except zmq.Again:
-        tally.problem(f"malformed {frames[0]!r} got no reply")
-    finally:
-        sock.close()
+    with plain_socket(endpoint, receive_timeout_ms=10_000) as sock:
+        try:
+            sock.send_multipart(frames)
+            reply, _ = P.decode(sock.recv_multipart())
+            if isinstance(reply, P.ErrorReply) and reply.code == "bad_request":
+                tally.add(malformed_answered=1)
+            else:
+                tally.problem(f"malformed {frames[0]!r} got {reply!r}")
+        except zmq.Again:
+            tally.problem(f"malformed {frames[0]!r} got no reply")
 
 
 def client_thread(server: ServerProcess, out: Path, index: int, tally: Tally) -> None:
@@ -111,22 +106,9 @@ def client_thread(server: ServerProcess, out: Path, index: int, tally: Tally) ->
 @pytest.mark.timeout(900)
 def test_soak_two_ranks_nothing_lost_memory_and_folders_bounded(tmp_path, tiny_cache):
     out = tmp_path / "out"
-    args = [
-        "--model-path",
-        "tiny/flux",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--batching-mode",
-        "dynamic",
-        "--batching-max-size",
-        "8",
-        "--max-stored-outputs",
-        str(MAX_STORED),
-    ]
+    args = serve_args(
+        "tiny/flux", out, num_gpus=2, batching_mode="dynamic", batching_max_size=8, max_stored_outputs=MAX_STORED
+    )
     with ServerProcess(*args, env={"TILECAST_CACHE": str(tiny_cache)}) as server:
         with server.client() as client:  # warm-up: allocator pools, kernels, the first batch shapes
             for i in range(40):

@@ -146,18 +146,11 @@ def test_a_broken_cache_is_detected_logged_and_rebuilt(tmp_path, reference, dama
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_rank_serve_on_a_fresh_cache_serves(tmp_path, reference):
-    from tests.harness import ServerProcess
+    from tests.harness import ServerProcess, serve_args
 
     cache = tmp_path / "cache"
     server = ServerProcess(
-        "--model-path",
-        "tiny/flux",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "out"),
+        *serve_args("tiny/flux", tmp_path / "out", num_gpus=2),
         env={"TILECAST_CACHE": str(cache), "OMP_NUM_THREADS": "1"},
         ready_timeout=200.0,
     )

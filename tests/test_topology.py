@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -778,20 +779,13 @@ def test_serve_flags_default():
 
 
 def test_serve_flags_decode_modes():
-    assert _resolve(decode="serial").serve_flags()[-4:] == [
-        "--vae-config.use-parallel-tiling",
-        "false",
-        "--vae-config.use-parallel-decode",
-        "false",
-    ]
-    assert _resolve(decode="spatial").serve_flags()[-6:] == [
-        "--vae-config.use-parallel-tiling",
-        "false",
-        "--vae-config.use-parallel-decode",
-        "true",
-        "--vae-config.parallel-decode-mode",
-        "spatial_shard",
-    ]
+    assert _resolve(decode="serial").serve_flags()[-4:] == shlex.split(
+        "--vae-config.use-parallel-tiling false --vae-config.use-parallel-decode false"
+    )
+    assert _resolve(decode="spatial").serve_flags()[-6:] == shlex.split(
+        "--vae-config.use-parallel-tiling false --vae-config.use-parallel-decode true"
+        " --vae-config.parallel-decode-mode spatial_shard"
+    )
 
 
 def test_serve_flags_placement():

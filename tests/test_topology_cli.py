@@ -10,14 +10,17 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from tests.harness import cli_flags
 from tilecast.launcher.topology_cli import topology_app
 from tilecast.runtime import picker
 
 runner = CliRunner()
 
 
-def invoke(*args: str):
-    return runner.invoke(topology_app, [str(a) for a in args])
+def invoke(*args, **options):
+    """``tilecast topology`` with ``args`` (as text), then ``options`` as flags (``num_gpus=4``:
+    ``--num-gpus 4``)."""
+    return runner.invoke(topology_app, [*(str(a) for a in args), *cli_flags(**options)])
 
 
 def invoke_json(*args: str) -> tuple[int, dict]:
@@ -39,19 +42,7 @@ def test_check_valid_manual_layout():
 
 def test_check_lists_every_error_and_exits_1():
     result = invoke(
-        "check",
-        "--num-gpus",
-        8,
-        "--tp-size",
-        1,
-        "--ulysses-degree",
-        3,
-        "--ring-degree",
-        2,
-        "--hardware",
-        "rtx5090",
-        "--attention-backend",
-        "fa",
+        "check", num_gpus=8, tp_size=1, ulysses_degree=3, ring_degree=2, hardware="rtx5090", attention_backend="fa"
     )
     assert result.exit_code == 1
     errors, recipes = result.stdout.split("Outside the deployment guide's recipes:")
@@ -89,21 +80,8 @@ def test_multi_node_world_size_validates():
 
 
 def test_plan_for_two_nodes_is_a_torchrun_command():
-    result = invoke(
-        "plan",
-        "--num-gpus",
-        16,
-        "--nnodes",
-        2,
-        "--ulysses-degree",
-        4,
-        "--ring-degree",
-        4,
-        "--attention-backend",
-        "sdpa_cudnn",
-        "--model-path",
-        "tiny/k6sr",
-    )
+    layout = dict(num_gpus=16, nnodes=2, ulysses_degree=4, ring_degree=4, attention_backend="sdpa_cudnn")
+    result = invoke("plan", **layout, model_path="tiny/k6sr")
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.strip())
     assert argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
@@ -236,51 +214,17 @@ def test_auto_on_rtx_with_eight_gpus_needs_ring():
 
 
 def test_plan_prints_the_serve_command():
-    result = invoke(
-        "plan",
-        "--num-gpus",
-        2,
-        "--hardware",
-        "rtxpro6000",
-        "--model-path",
-        "tiny/k6sr",
-        "--placement",
-        "offload",
-        "--offload-components",
-        "transformer,vae",
-        "--prefetch",
-        2,
-        "--decode",
-        "spatial",
-    )
+    placement = dict(placement="offload", offload_components="transformer,vae", prefetch=2, decode="spatial")
+    result = invoke("plan", num_gpus=2, hardware="rtxpro6000", model_path="tiny/k6sr", **placement)
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.strip())
-    assert argv == [
-        "tilecast",
-        "serve",
-        "--model-path",
-        "tiny/k6sr",
-        "--num-gpus",
-        "2",
-        "--tp-size",
-        "1",
-        "--ulysses-degree",
-        "2",
-        "--ring-degree",
-        "1",
-        "--attention-backend",
-        "torch_sdpa",
-        "--vae-config.use-parallel-tiling",
-        "false",
-        "--vae-config.use-parallel-decode",
-        "true",
-        "--vae-config.parallel-decode-mode",
-        "spatial_shard",
-        "--layerwise-offload-components",
-        "transformer vae",
-        "--dit-offload-prefetch-size",
-        "2",
-    ]
+    assert argv == shlex.split(
+        "tilecast serve --model-path tiny/k6sr --num-gpus 2 --tp-size 1 --ulysses-degree 2 --ring-degree 1"
+        " --attention-backend torch_sdpa"
+        " --vae-config.use-parallel-tiling false --vae-config.use-parallel-decode true"
+        " --vae-config.parallel-decode-mode spatial_shard"
+        " --layerwise-offload-components 'transformer vae' --dit-offload-prefetch-size 2"
+    )
     assert picker.WARN_SPATIAL in result.stderr
     assert picker.WARN_SPATIAL not in result.stdout
 

@@ -173,22 +173,11 @@ def test_a_served_sr_decode_longer_than_the_stuck_timeout_completes(tmp_path):
         assert client.health().status == "serving"
 
 
-def _probe_server(tmp_path, *extra: str):
-    from tests.harness import ServerProcess
+def _probe_server(tmp_path, **options):
+    """The probe on two CPU ranks under a 2 s ``--stuck-timeout-s``."""
+    from tests.harness import ServerProcess, serve_args
 
-    return ServerProcess(
-        "--model-path",
-        "test/allreduce",
-        "--num-gpus",
-        "2",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path),
-        "--stuck-timeout-s",
-        "2",
-        *extra,
-    )
+    return ServerProcess(*serve_args("test/allreduce", tmp_path, num_gpus=2, stuck_timeout_s=2, **options))
 
 
 @pytest.mark.timeout(120)
@@ -224,7 +213,7 @@ def test_a_sigstopped_rank_is_declared_dead_while_its_peer_beats(tmp_path):
     from tests.harness import rank_pid
     from tilecast.client import Client
 
-    server = _probe_server(tmp_path, "--heartbeat-timeout-s", "3")
+    server = _probe_server(tmp_path, heartbeat_timeout_s=3)
     worker = None
     try:
         with server.client() as client:
