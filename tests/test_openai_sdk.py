@@ -28,22 +28,22 @@ def _sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused-without---api-key", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def image_server(tmp_path_factory):
+def _serve(model_path: str, tmp_path_factory):
     config = ServeConfig(
-        model_path="tiny/flux", device="cpu", port=0, http_port=0, output_dir=tmp_path_factory.mktemp("images")
+        model_path=model_path, device="cpu", port=0, http_port=0, output_dir=tmp_path_factory.mktemp("out")
     )
     with InProcessServer(config) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    yield from _serve("tiny/flux", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def video_server(tmp_path_factory):
-    config = ServeConfig(
-        model_path="tiny/wan2.1-t2v", device="cpu", port=0, http_port=0, output_dir=tmp_path_factory.mktemp("videos")
-    )
-    with InProcessServer(config) as server:
-        yield server
+    yield from _serve("tiny/wan2.1-t2v", tmp_path_factory)
 
 
 def test_images_generate_b64_and_url_give_the_same_picture(image_server):
