@@ -71,18 +71,22 @@ PREFETCH_RANGE = (1, 4)
 RESIDENT_LAYERS_RANGE = (0, 8)
 DEFAULT_MODEL_NAME = "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 
-DECODE_FLAGS: dict[str, tuple[str, ...]] = {
-    "serial": ("--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "false"),
-    "tiles": ("--vae-config.use-parallel-tiling", "true", "--vae-config.use-parallel-decode", "false"),
-    "spatial": (
+
+def _vae_flags(*, tiling: bool, decode: bool) -> tuple[str, ...]:
+    return (
         "--vae-config.use-parallel-tiling",
-        "false",
+        str(tiling).lower(),
         "--vae-config.use-parallel-decode",
-        "true",
-        "--vae-config.parallel-decode-mode",
-        "spatial_shard",
-    ),
+        str(decode).lower(),
+    )
+
+
+DECODE_FLAGS: dict[str, tuple[str, ...]] = {
+    "serial": _vae_flags(tiling=False, decode=False),
+    "tiles": _vae_flags(tiling=True, decode=False),
+    "spatial": _vae_flags(tiling=False, decode=True) + ("--vae-config.parallel-decode-mode", "spatial_shard"),
 }
+"""The ``serve`` flags of each decode id (``decode_choice`` maps the switches back to the id)."""
 
 # The picker's texts, verbatim (data, not prose of ours).
 ERR_DEGREES = "Parallel degrees must be positive integers."
