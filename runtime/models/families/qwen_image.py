@@ -1,11 +1,11 @@
 """Qwen-Image text-to-image (``QwenImagePipeline``) and its built-in tiny checkpoint ``tiny/qwen-image``.
 
 The tiny checkpoint keeps the real structure: the Wan-style 8x ``AutoencoderKLQwenImage`` with 16
-latent channels (``tiny/wan2.1-t2v``'s VAE config), an MMDiT ``QwenImageTransformer2DModel`` on 2x2-packed latents, and a
-``Qwen2_5_VLForConditionalGeneration`` text encoder (tiny text and vision towers; only the text
-path runs) with a byte-level ``Qwen2Tokenizer`` built offline. The pipeline drops the first 34
-template tokens as the real one does; with a byte tokenizer that cut falls inside the system
-prompt, which changes nothing structural.
+latent channels (``tiny/wan2.1-t2v``'s VAE config), an MMDiT ``QwenImageTransformer2DModel`` on
+2x2-packed latents, and a ``Qwen2_5_VLForConditionalGeneration`` text encoder (tiny text and
+vision towers; only the text path runs) with a byte-level ``Qwen2Tokenizer`` built offline. The
+pipeline drops the first 34 template tokens as the real one does; with a byte tokenizer that cut
+falls inside the system prompt, which changes nothing structural.
 
 ``guidance_scale`` is Qwen-Image's true classifier-free guidance (diffusers' ``true_cfg_scale``):
 above 1 every request runs a conditional and an unconditional pass, the latter on its own

@@ -30,7 +30,8 @@ MAX_FRAMES = 257
 
 
 def tiny_vae_config() -> dict:
-    """The tiny causal 3D VAE (``AutoencoderKLWan``; Qwen-Image's ``AutoencoderKLQwenImage`` has the same structure)."""
+    """The tiny causal 3D VAE's config (``AutoencoderKLWan``; Qwen-Image's ``AutoencoderKLQwenImage``
+    has the same structure)."""
     return dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
 
 
