@@ -251,44 +251,29 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 _CUDA_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
-def _devices(name: str) -> frozenset[str]:
-    return caps.traits(name).devices
+_CPU_FLOATS = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
-for _backend in (
-    AttentionBackend(name="sdpa_math", fn=_math, devices=_devices("sdpa_math")),
-    AttentionBackend(name="chunked_math", fn=_chunked_math, devices=_devices("chunked_math")),
-    AttentionBackend(
-        name="sdpa_flash_cpu",
-        fn=_sdpa_flash_cpu,
-        devices=_devices("sdpa_flash_cpu"),
-        dtypes=frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
-        check=_cpu_flash_check,
-    ),
-    AttentionBackend(
-        name="sdpa_cudnn",
-        fn=_sdpa_cudnn,
-        devices=_devices("sdpa_cudnn"),
-        dtypes=_HALF,
-        check=_op_check("_scaled_dot_product_cudnn_attention"),
-    ),
-    AttentionBackend(
-        name="sdpa_flash",
-        fn=_sdpa_flash,
-        devices=_devices("sdpa_flash"),
-        dtypes=_HALF,
-        check=_op_check("_scaled_dot_product_flash_attention"),
-    ),
-    AttentionBackend(
-        name="sdpa_efficient",
-        fn=_sdpa_efficient,
-        devices=_devices("sdpa_efficient"),
-        dtypes=_CUDA_FLOATS,
-        check=_op_check("_scaled_dot_product_efficient_attention"),
-    ),
-    AttentionBackend(name="fa", fn=_fa, devices=_devices("fa"), dtypes=_HALF, check=_fa_check),
+def _backend(name: str, fn: BackendFn, **facts) -> AttentionBackend:
+    """``name``'s backend, on the devices the capability table gives it (``kernels/capabilities.py``)."""
+    return AttentionBackend(name=name, fn=fn, devices=caps.traits(name).devices, **facts)
+
+
+def _aten_backend(name: str, fn: BackendFn, op_name: str, dtypes: frozenset[torch.dtype]) -> AttentionBackend:
+    """A PyTorch fused CUDA kernel, ``aten.<op_name>``: available where CUDA and the op are."""
+    return _backend(name, fn, dtypes=dtypes, check=_op_check(op_name))
+
+
+for _registered in (
+    _backend("sdpa_math", _math),
+    _backend("chunked_math", _chunked_math),
+    _backend("sdpa_flash_cpu", _sdpa_flash_cpu, dtypes=_CPU_FLOATS, check=_cpu_flash_check),
+    _aten_backend("sdpa_cudnn", _sdpa_cudnn, "_scaled_dot_product_cudnn_attention", _HALF),
+    _aten_backend("sdpa_flash", _sdpa_flash, "_scaled_dot_product_flash_attention", _HALF),
+    _aten_backend("sdpa_efficient", _sdpa_efficient, "_scaled_dot_product_efficient_attention", _CUDA_FLOATS),
+    _backend("fa", _fa, dtypes=_HALF, check=_fa_check),
 ):
-    register_backend(_backend)
+    register_backend(_registered)
 
 
 def run_backend(

@@ -26,15 +26,12 @@ logger = logging.getLogger(__name__)
 
 def topology_errors(config: ServeConfig) -> list[str]:
     """Every error of the one rule set for this command line (empty when it can run)."""
-    from tilecast.runtime.topology import Topology, model_limits
+    from tilecast.runtime.topology import Topology, degrees_of, model_limits
 
     limits = model_limits(config.model_path)
     return Topology.check(
         num_gpus=config.num_gpus,
-        tp_size=config.tp_size,
-        ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree,
-        dp_degree=config.dp_degree,
+        **degrees_of(config),
         num_heads=limits.num_heads,
         ff_dim=limits.ff_dim,
         attention_backend=config.attention_backend,

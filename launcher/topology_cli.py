@@ -222,9 +222,7 @@ def _deployment(
     layout = deployment.topology
     errors = Topology.check(
         num_gpus=num_gpus,
-        tp_size=layout.tp_size,
-        ulysses_degree=layout.ulysses_degree,
-        ring_degree=layout.ring_degree,
+        **dataclasses.asdict(layout),  # the picker's TP, Ulysses and Ring degrees
         num_heads=limits.num_heads,
         ff_dim=limits.ff_dim,
         attention_backend=_kernel_backend(attention),

@@ -236,15 +236,12 @@ class ServeConfig:
 
     @property
     def placement(self):
-        """The validated ``tilecast.runtime.placement.PlacementConfig`` of the placement fields."""
+        """The validated ``tilecast.runtime.placement.PlacementConfig`` of the placement fields (its
+        fields carry the names of this class's)."""
         from tilecast.runtime.placement import PlacementConfig  # imports torch: only when used
 
         return PlacementConfig(
-            layerwise_offload_components=self.layerwise_offload_components,
-            cpu_offload_components=self.cpu_offload_components,
-            dit_offload_prefetch_size=self.dit_offload_prefetch_size,
-            dit_layerwise_resident_layers=self.dit_layerwise_resident_layers,
-            use_fsdp_inference=self.use_fsdp_inference,
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(PlacementConfig)}
         )
 
     @property

@@ -71,18 +71,22 @@ PREFETCH_RANGE = (1, 4)
 RESIDENT_LAYERS_RANGE = (0, 8)
 DEFAULT_MODEL_NAME = "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 
-DECODE_FLAGS: dict[str, tuple[str, ...]] = {
-    "serial": ("--vae-config.use-parallel-tiling", "false", "--vae-config.use-parallel-decode", "false"),
-    "tiles": ("--vae-config.use-parallel-tiling", "true", "--vae-config.use-parallel-decode", "false"),
-    "spatial": (
+
+def _vae_flags(*, tiling: bool, decode: bool) -> tuple[str, ...]:
+    return (
         "--vae-config.use-parallel-tiling",
-        "false",
+        str(tiling).lower(),
         "--vae-config.use-parallel-decode",
-        "true",
-        "--vae-config.parallel-decode-mode",
-        "spatial_shard",
-    ),
+        str(decode).lower(),
+    )
+
+
+DECODE_FLAGS: dict[str, tuple[str, ...]] = {
+    "serial": _vae_flags(tiling=False, decode=False),
+    "tiles": _vae_flags(tiling=True, decode=False),
+    "spatial": _vae_flags(tiling=False, decode=True) + ("--vae-config.parallel-decode-mode", "spatial_shard"),
 }
+"""The ``serve`` flags of each decode id (``decode_choice`` maps the switches back to the id)."""
 
 # The picker's texts, verbatim (data, not prose of ours).
 ERR_DEGREES = "Parallel degrees must be positive integers."
@@ -306,54 +310,34 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _topology_errors(
-    *,
-    hw: str | None,
-    nodes: int,
-    num_gpus: int,
-    attention: str,
-    placement: str,
-    layout: Layout,
-    num_heads: int | None,
-) -> list[str]:
-    errors: list[str] = []
-    degrees = (layout.tp_size, layout.ulysses_degree, layout.ring_degree)
-    if not all(_is_positive_int(d) for d in degrees):
-        errors.append(ERR_DEGREES)
-    if nodes != 1:
-        errors.append(ERR_NODES)
-    if nodes == 1 and not (isinstance(num_gpus, int) and GPUS_PER_NODE_RANGE[0] <= num_gpus <= GPUS_PER_NODE_RANGE[1]):
-        errors.append(ERR_GPU_RANGE)  # over several nodes ERR_NODES already says it
-    if math.prod(degrees) != num_gpus:
-        errors.append(ERR_PRODUCT)
-    if num_heads is not None:
-        split = layout.tp_size * layout.ulysses_degree
-        # The picker computes 28 % split: a zero split gives NaN there, which counts as an error.
-        if split == 0 or num_heads % split:
-            errors.append(ERR_HEADS.format(num_heads=num_heads))
-    if placement == "fsdp" and num_gpus < 2:
-        errors.append(ERR_FSDP)
-    if (attention == "torch_sdpa" or hw in SM120_HARDWARE) and layout.ring_degree > 1:
-        errors.append(ERR_SDPA_RING)
-    if attention == "fa" and hw in SM120_HARDWARE:
-        errors.append(ERR_FA_SM120)
-    return errors
-
-
 def validate_topology(selection: Selection, topology: Layout, *, num_heads: int | None = PICKER_NUM_HEADS) -> list[str]:
     """Every picker rule ``topology`` breaks for ``selection``, in the picker's order and words.
 
     ``num_heads=None`` skips the head rule (count unknown).
     """
-    return _topology_errors(
-        hw=selection.hw,
-        nodes=selection.nodes,
-        num_gpus=selection.gpus_per_node,
-        attention=selection.attention,
-        placement=selection.placement,
-        layout=topology,
-        num_heads=num_heads,
-    )
+    num_gpus, sm120 = selection.gpus_per_node, selection.hw in SM120_HARDWARE
+    errors: list[str] = []
+    degrees = (topology.tp_size, topology.ulysses_degree, topology.ring_degree)
+    if not all(_is_positive_int(d) for d in degrees):
+        errors.append(ERR_DEGREES)
+    if selection.nodes != 1:
+        errors.append(ERR_NODES)
+    elif not (isinstance(num_gpus, int) and GPUS_PER_NODE_RANGE[0] <= num_gpus <= GPUS_PER_NODE_RANGE[1]):
+        errors.append(ERR_GPU_RANGE)  # over several nodes ERR_NODES already says it
+    if math.prod(degrees) != num_gpus:
+        errors.append(ERR_PRODUCT)
+    if num_heads is not None:
+        split = topology.tp_size * topology.ulysses_degree
+        # The picker computes 28 % split: a zero split gives NaN there, which counts as an error.
+        if split == 0 or num_heads % split:
+            errors.append(ERR_HEADS.format(num_heads=num_heads))
+    if selection.placement == "fsdp" and num_gpus < 2:
+        errors.append(ERR_FSDP)
+    if (selection.attention == "torch_sdpa" or sm120) and topology.ring_degree > 1:
+        errors.append(ERR_SDPA_RING)
+    if selection.attention == "fa" and sm120:
+        errors.append(ERR_FA_SM120)
+    return errors
 
 
 def picker_attention(name: str | None) -> str:

@@ -158,11 +158,9 @@ class PlacementConfig:
     def as_fields(self) -> dict:
         """The ``ServeConfig`` placement fields (component lists as the flags' canonical text)."""
         return {
+            **dataclasses.asdict(self),
             "layerwise_offload_components": _components_text(self.layerwise_offload_components),
             "cpu_offload_components": _components_text(self.cpu_offload_components),
-            "dit_offload_prefetch_size": self.dit_offload_prefetch_size,
-            "dit_layerwise_resident_layers": self.dit_layerwise_resident_layers,
-            "use_fsdp_inference": self.use_fsdp_inference,
         }
 
     @property

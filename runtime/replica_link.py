@@ -36,7 +36,7 @@ from tilecast.runtime.pipeline import Output, OutputFile, PlanHooks
 from tilecast.runtime.watchdog import heartbeat_host
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.scheduler import PLAN_CANCELLED
-from tilecast.scheduler.wakeup import Wakeup
+from tilecast.scheduler.wakeup import PollingThread, Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def decode_outcome(msg: P.ReplicaDone, frames: list):
 
 
 # ------------------------------------------------------------------------------------ rank 0
-class ReplicaHub(threading.Thread):
+class ReplicaHub(PollingThread):
     """Rank 0's socket to the leaders of groups ``1 .. num_groups - 1``.
 
     ``deliver(event)`` receives scheduler inbox events: ``("replica_ready", group)``,
@@ -93,7 +93,7 @@ class ReplicaHub(threading.Thread):
     """
 
     def __init__(self, *, num_groups: int, deliver: Callable[[tuple], None], context: zmq.Context | None = None):
-        super().__init__(name="tilecast-replica-hub", daemon=True)
+        super().__init__(name="tilecast-replica-hub")
         self.num_groups = num_groups
         self.deliver = deliver
         self._context = context or zmq.Context.instance()
@@ -103,8 +103,6 @@ class ReplicaHub(threading.Thread):
         port = self._sock.bind_to_random_port(f"tcp://{heartbeat_host()}")
         self.endpoint = f"tcp://{heartbeat_host()}:{port}"
         self._wakeup = Wakeup(self._context, "replica-hub")
-        self._outbox: "queue.Queue[tuple[int, list]]" = queue.Queue()
-        self._halt = threading.Event()
         self.ready: set[int] = set()
         """Groups whose leader said hello."""
         self._all_ready = threading.Event()
@@ -119,40 +117,22 @@ class ReplicaHub(threading.Thread):
 
     def _send(self, group: int, frames: list) -> None:
         assert 1 <= group < self.num_groups, group
-        self._outbox.put((group, frames))
-        self._wakeup.wake()
+        self._queue(group, frames)
 
     def wait_ready(self, timeout: float) -> list[int]:
         """Wait for every leader's hello; the groups still missing after ``timeout`` (empty: all there)."""
         self._all_ready.wait(timeout)
         return [g for g in range(1, self.num_groups) if g not in self.ready]
 
-    def stop(self, timeout: float = 2.0) -> None:
-        self._halt.set()
-        try:
-            self._wakeup.wake()
-        except zmq.ZMQError:
-            pass
-        self.join(timeout)
+    # -- the thread (``PollingThread``)
+    def _handlers(self) -> dict:
+        return {self._sock: self._drain_inbound}
 
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wakeup.pull, zmq.POLLIN)
-        try:
-            while not self._halt.is_set():
-                events = dict(poller.poll(500))
-                if self._sock in events:
-                    self._drain_inbound()
-                if self._wakeup.pull in events:
-                    self._wakeup.drain()
-                self._drain_outbound()
-            self._drain_outbound()
-        except BaseException:  # noqa: BLE001 - logged; the heartbeat watchdog sees the groups go quiet
-            logger.exception("replica hub thread failed")
-        finally:
-            self._sock.close()
-            self._wakeup.close()
+    def _failed(self, exc: BaseException) -> None:
+        logger.exception("replica hub thread failed")  # the heartbeat watchdog sees the groups go quiet
+
+    def _close(self) -> None:
+        self._sock.close()
 
     def _drain_inbound(self) -> None:
         while True:
@@ -183,25 +163,20 @@ class ReplicaHub(threading.Thread):
                     outcome = f"the outputs of the replica group could not be read: {exc}"
                 self.deliver(("done", msg.seq, outcome))
 
-    def _drain_outbound(self) -> None:
-        while True:
-            try:
-                group, frames = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self._sock.send_multipart([_identity(group), *frames], flags=zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:
-                self.undelivered += 1
-                logger.error("replica group %d unreachable (%s)", group, exc)
+    def _send_now(self, group: int, frames: list) -> None:
+        try:
+            self._sock.send_multipart([_identity(group), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self.undelivered += 1
+            logger.error("replica group %d unreachable (%s)", group, exc)
 
 
 # ------------------------------------------------------------------------------------ a leader
-class ReplicaLink(threading.Thread):
+class ReplicaLink(PollingThread):
     """A group leader's socket to rank 0: plans in (``next_plan``), progress and outcomes out."""
 
     def __init__(self, endpoint: str, *, group: int, rank: int, context: zmq.Context | None = None) -> None:
-        super().__init__(name=f"tilecast-replica-link-{group}", daemon=True)
+        super().__init__(name=f"tilecast-replica-link-{group}")
         self.endpoint, self.group, self.rank = endpoint, group, rank
         self._context = context or zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
@@ -209,12 +184,10 @@ class ReplicaLink(threading.Thread):
         self._sock.setsockopt(zmq.LINGER, 2000)  # the last outcome reaches rank 0 before exit
         self._sock.connect(endpoint)
         self._wakeup = Wakeup(self._context, f"replica-link-{group}")
-        self._outbox: "queue.Queue[list]" = queue.Queue()
         self._plans: "queue.Queue[P.Plan]" = queue.Queue()
         self._cancelled: set[int] = set()
         self._last_progress: dict[int, float] = {}
-        self._halt = threading.Event()
-        self._send(P.encode(P.ReplicaHello(group=group, rank=rank)))
+        self._queue(P.encode(P.ReplicaHello(group=group, rank=rank)))
 
     # -- the compute loop's side
     def next_plan(self, timeout: float) -> P.Plan | None:
@@ -231,44 +204,25 @@ class ReplicaLink(threading.Thread):
         if fraction < 1.0 and now - self._last_progress.get(seq, 0.0) < PROGRESS_EVERY_S:
             return
         self._last_progress[seq] = now
-        self._send(P.encode(P.ReplicaProgress(seq=seq, fraction=fraction)))
+        self._queue(P.encode(P.ReplicaProgress(seq=seq, fraction=fraction)))
 
     def done(self, seq: int, outcome) -> None:
         self._last_progress.pop(seq, None)
         self._cancelled.discard(seq)
-        self._send(encode_outcome(seq, outcome))
+        self._queue(encode_outcome(seq, outcome))
 
-    def _send(self, frames: list) -> None:
-        self._outbox.put(frames)
-        self._wakeup.wake()
-
-    # -- the thread
+    # -- the thread (``PollingThread``)
     def stop(self, timeout: float = 3.0) -> None:
-        self._halt.set()
-        try:
-            self._wakeup.wake()
-        except zmq.ZMQError:
-            pass
-        self.join(timeout)
+        super().stop(timeout)
 
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wakeup.pull, zmq.POLLIN)
-        try:
-            while not self._halt.is_set():
-                events = dict(poller.poll(500))
-                if self._sock in events:
-                    self._drain_inbound()
-                if self._wakeup.pull in events:
-                    self._wakeup.drain()
-                self._drain_outbound()
-            self._drain_outbound()
-        except BaseException:  # noqa: BLE001 - logged; rank 0's watchdog ends the run
-            logger.exception("replica link thread failed")
-        finally:
-            self._sock.close()
-            self._wakeup.close()
+    def _handlers(self) -> dict:
+        return {self._sock: self._drain_inbound}
+
+    def _failed(self, exc: BaseException) -> None:
+        logger.exception("replica link thread failed")  # rank 0's watchdog ends the run
+
+    def _close(self) -> None:
+        self._sock.close()
 
     def _drain_inbound(self) -> None:
         while True:
@@ -286,10 +240,5 @@ class ReplicaLink(threading.Thread):
             elif isinstance(msg, P.ReplicaCancel):
                 self._cancelled.add(msg.seq)
 
-    def _drain_outbound(self) -> None:
-        while True:
-            try:
-                frames = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._sock.send_multipart(frames, copy=False)
+    def _send_now(self, frames: list) -> None:
+        self._sock.send_multipart(frames, copy=False)

@@ -26,6 +26,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from tilecast.runtime.topology import degrees_of
+
 logger = logging.getLogger(__name__)
 
 
@@ -123,10 +125,7 @@ def layout_of(config, world_size: int) -> ReplicaLayout:
     """``serving_layout`` of a ``ServeConfig`` on ``world_size`` ranks (``tilecast serve``'s groups)."""
     return serving_layout(
         num_gpus=world_size,
-        tp_size=config.tp_size,
-        ulysses_degree=config.ulysses_degree,
-        ring_degree=config.ring_degree,
-        dp_degree=config.dp_degree,
+        **degrees_of(config),
         tile_parallel=config.tile_parallel,
         fsdp=bool(config.use_fsdp_inference),
     )

@@ -29,7 +29,13 @@ MESH_AXES: tuple[str, ...] = ("dp", "ring", "ulysses", "tp")
 """Mesh axis names, outer to inner."""
 
 TINY_K6SR = "tiny/k6sr"
-_DEGREE_FIELDS = ("tp_size", "ulysses_degree", "ring_degree", "dp_degree")
+DEGREE_FIELDS = ("tp_size", "ulysses_degree", "ring_degree", "dp_degree")
+"""The parallel degrees, as ``Topology``, ``ServeConfig`` and ``replicas.serving_layout`` name them."""
+
+
+def degrees_of(source: Any) -> dict[str, int | None]:
+    """``source``'s ``DEGREE_FIELDS`` (a ``ServeConfig``, a ``Topology``), as keyword arguments."""
+    return {name: getattr(source, name) for name in DEGREE_FIELDS}
 
 
 class TopologyError(ValueError):
@@ -160,16 +166,7 @@ class Topology:
     """``--attention-backend`` name (None: auto); with Ring > 1 it must return the log-sum-exp."""
 
     def __post_init__(self) -> None:
-        errors = self.check(
-            num_gpus=self.num_gpus,
-            tp_size=self.tp_size,
-            ulysses_degree=self.ulysses_degree,
-            ring_degree=self.ring_degree,
-            dp_degree=self.dp_degree,
-            num_heads=self.num_heads,
-            ff_dim=self.ff_dim,
-            attention_backend=self.attention_backend,
-        )
+        errors = self.check(**dataclasses.asdict(self))  # every field is one of check's arguments
         if errors:
             raise TopologyError(errors)
         if self.dp_degree is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+from typing import Any, Iterable
 
 from tilecast.scheduler import protocol as P
 
@@ -121,6 +121,22 @@ class Exposition:
     def simple(self, name: str, kind: str, help_text: str, value: float, labels: dict | None = None) -> None:
         self.family(name, kind, help_text, [(name, labels or {}, value)])
 
+    def counter(self, name: str, help_text: str, value: float) -> None:
+        """A counter without labels: its one sample is ``<name>_total``."""
+        self.family(name, "counter", help_text, [(f"{name}_total", {}, value)])
+
+    def by_label(self, name: str, kind: str, help_text: str, label: str, values: Iterable[tuple[str, float]]) -> None:
+        """One sample per ``(label value, value)`` in ``values``, in that order (a counter's named ``<name>_total``)."""
+        sample = f"{name}_total" if kind == "counter" else name
+        self.family(name, kind, help_text, [(sample, {label: key}, value) for key, value in values])
+
+    def histograms(self, name: str, help_text: str, label: str, histograms: dict[str, Histogram]) -> None:
+        """One histogram per ``label`` value, in sorted order."""
+        samples = []
+        for key, hist in sorted(histograms.items()):
+            samples += hist.samples(name, {label: key})
+        self.family(name, "histogram", help_text, samples)
+
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
@@ -131,12 +147,12 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
     out.simple(
         "tilecast_queue_depth", "gauge", "Requests waiting in the scheduler's queue.", stats.get("queue_depth", 0)
     )
-    jobs = stats.get("jobs", {})
-    out.family(
+    out.by_label(
         "tilecast_jobs",
         "gauge",
         "Jobs the scheduler tracks, by state (finished ones are kept up to a bound).",
-        [("tilecast_jobs", {"state": state}, count) for state, count in sorted(jobs.items())],
+        "state",
+        sorted(stats.get("jobs", {}).items()),
     )
     batching = stats.get("batching", {})
     cumulative = batching.get("cumulative", {})
@@ -153,23 +169,19 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
         "Requests per dispatched batch (scheduler batching metrics).",
         hist.samples("tilecast_batch_size", {}),
     )
-    out.family(
+    out.by_label(
         "tilecast_batch_stop_reason",
         "counter",
         "Dispatches by the reason the batch stopped growing.",
-        [
-            ("tilecast_batch_stop_reason_total", {"reason": reason}, count)
-            for reason, count in sorted((cumulative.get("stop_reasons") or {}).items())
-        ],
+        "reason",
+        sorted((cumulative.get("stop_reasons") or {}).items()),
     )
-    out.family(
+    out.by_label(
         "tilecast_batch_rejects",
         "counter",
         "Queued requests a batch head could not take, by first differing field.",
-        [
-            ("tilecast_batch_rejects_total", {"field": field}, count)
-            for field, count in sorted((cumulative.get("rejects") or {}).items())
-        ],
+        "field",
+        sorted((cumulative.get("rejects") or {}).items()),
     )
     out.simple(
         "tilecast_batch_queue_wait_avg_seconds",
@@ -183,79 +195,58 @@ def scheduler_metrics(out: Exposition, stats: dict[str, Any]) -> None:
         "Nearest-rank p95 queue wait of batch heads (recent dispatches).",
         cumulative.get("wait_p95_ms", 0.0) / 1000.0,
     )
-    out.family(
+    out.by_label(
         "tilecast_refused",
         "counter",
         "What the scheduler refused: ZeroMQ handshakes without the API key, shutdowns from strangers,"
         " oversize messages, submits over the queued-upload cap.",
-        [
-            ("tilecast_refused_total", {"reason": reason}, count)
-            for reason, count in sorted((stats.get("refused") or {}).items())
-        ],
+        "reason",
+        sorted((stats.get("refused") or {}).items()),
     )
-    out.family(
+    out.counter(
         "tilecast_dropped_replies",
-        "counter",
         "Replies that could not be delivered (client gone or saturated).",
-        [("tilecast_dropped_replies_total", {}, stats.get("dropped_replies", 0))],
+        stats.get("dropped_replies", 0),
     )
     groups = stats.get("groups") or []
-    out.family(
+    out.by_label(
         "tilecast_replica_busy",
         "gauge",
         "Whether each data-parallel replica group is running a batch (1) or idle (0).",
-        [("tilecast_replica_busy", {"group": str(g["group"])}, 1 if g.get("busy") else 0) for g in groups],
+        "group",
+        [(str(g["group"]), 1 if g.get("busy") else 0) for g in groups],
     )
-    out.family(
-        "tilecast_replica_jobs_done",
-        "counter",
-        "Jobs whose batch ended on each replica group (any outcome).",
-        [("tilecast_replica_jobs_done_total", {"group": str(g["group"])}, g.get("jobs_done", 0)) for g in groups],
-    )
-    out.family(
-        "tilecast_replica_jobs_completed",
-        "counter",
-        "Jobs each replica group completed.",
-        [
-            ("tilecast_replica_jobs_completed_total", {"group": str(g["group"])}, g.get("jobs_completed", 0))
-            for g in groups
-        ],
-    )
-    out.family(
-        "tilecast_replica_busy_seconds",
-        "counter",
-        "Time each replica group spent running batches.",
-        [
-            ("tilecast_replica_busy_seconds_total", {"group": str(g["group"])}, g.get("busy_seconds", 0.0))
-            for g in groups
-        ],
-    )
+    for field, default, help_text in (
+        ("jobs_done", 0, "Jobs whose batch ended on each replica group (any outcome)."),
+        ("jobs_completed", 0, "Jobs each replica group completed."),
+        ("busy_seconds", 0.0, "Time each replica group spent running batches."),
+    ):
+        values = [(str(g["group"]), g.get(field, default)) for g in groups]
+        out.by_label(f"tilecast_replica_{field}", "counter", help_text, "group", values)
+
     out.simple(
         "tilecast_stored_outputs",
         "gauge",
         "Finished jobs whose output files are on disk.",
         stats.get("stored_outputs", 0),
     )
-    out.family(
+    out.counter(
         "tilecast_deleted_outputs",
-        "counter",
         "Jobs whose output files were deleted (DELETE, --output-retention-s, --max-stored-outputs).",
-        [("tilecast_deleted_outputs_total", {}, stats.get("deleted_outputs", 0))],
+        stats.get("deleted_outputs", 0),
     )
 
 
 def front_end_metrics(out: Exposition, metrics: FrontEndMetrics) -> None:
-    out.family(
+    out.counter(
         "tilecast_http_unauthorized",
-        "counter",
         "HTTP requests refused for a missing or wrong API key (401).",
-        [("tilecast_http_unauthorized_total", {}, metrics.unauthorized)],
+        metrics.unauthorized,
     )
-    out.family(
+    out.counter(
         "tilecast_http_client_disconnects",
-        "counter",
         "HTTP requests whose client disconnected while waiting; their jobs were cancelled.",
-        [("tilecast_http_client_disconnects_total", {}, metrics.disconnected)],
+        metrics.disconnected,
     )
     out.family(
         "tilecast_http_requests",
@@ -266,23 +257,17 @@ def front_end_metrics(out: Exposition, metrics: FrontEndMetrics) -> None:
             for (m, r, s), n in sorted(metrics.requests.items())
         ],
     )
-    samples = []
-    for route, hist in sorted(metrics.durations.items()):
-        samples += hist.samples("tilecast_http_request_duration_seconds", {"route": route})
-    out.family(
+    out.histograms(
         "tilecast_http_request_duration_seconds",
-        "histogram",
         "Time from request start to the end of the response, by route.",
-        samples,
+        "route",
+        metrics.durations,
     )
-    samples = []
-    for state, hist in sorted(metrics.jobs_seconds.items()):
-        samples += hist.samples("tilecast_job_duration_seconds", {"state": state})
-    out.family(
+    out.histograms(
         "tilecast_job_duration_seconds",
-        "histogram",
         "Created-to-finished time of jobs submitted over HTTP (scheduler timestamps), by final state.",
-        samples,
+        "state",
+        metrics.jobs_seconds,
     )
     out.family(
         "tilecast_job_queue_seconds",

@@ -23,14 +23,12 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-import queue
-import threading
 
 import zmq
 
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.auth import ServerAuth
-from tilecast.scheduler.wakeup import Wakeup
+from tilecast.scheduler.wakeup import PollingThread, Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +55,7 @@ class Peer:
             return False
 
 
-class SocketThread(threading.Thread):
+class SocketThread(PollingThread):
     """Owns a bound ROUTER socket; bridges it to ``deliver`` and ``send``."""
 
     def __init__(
@@ -69,14 +67,12 @@ class SocketThread(threading.Thread):
         auth: ServerAuth | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        super().__init__(name="tilecast-router", daemon=True)
+        super().__init__(name="tilecast-router")
         self.endpoint = endpoint
         self.deliver = deliver
         self.max_message_bytes = max_message_bytes
         self.auth = auth
         self._context = context or zmq.Context.instance()
-        self._outbox: "queue.Queue[tuple[Peer, list]]" = queue.Queue()
-        self._halt = threading.Event()
         self._error: BaseException | None = None
         self.dropped_replies = 0
         """Replies that could not be delivered (peer gone, or its queue full)."""
@@ -101,8 +97,7 @@ class SocketThread(threading.Thread):
 
     def send(self, peer: Peer, frames: list) -> None:
         """Queue a reply to ``peer`` (thread-safe)."""
-        self._outbox.put((peer, frames))
-        self._wakeup.wake()
+        self._queue(peer, frames)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -111,37 +106,17 @@ class SocketThread(threading.Thread):
             "refused_handshakes": self.auth.refused_handshakes if self.auth is not None else 0,
         }
 
-    def stop(self, timeout: float = 2.0) -> None:
-        self._halt.set()
-        try:
-            self._wakeup.wake()
-        except zmq.ZMQError:  # the thread already closed its sockets
-            pass
-        self.join(timeout)
-
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wakeup.pull, zmq.POLLIN)
+    # -- the thread (``PollingThread``)
+    def _handlers(self) -> dict:
+        handlers = {self._router: self._drain_inbound}
         if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._halt.is_set():
-                events = dict(poller.poll(500))
-                if self._router in events:
-                    self._drain_inbound()
-                if self._wakeup.pull in events:
-                    self._wakeup.drain()
-                if self._monitor is not None and self._monitor in events:
-                    self.auth.count(self._monitor)
-                self._drain_outbound()
-            self._drain_outbound()
-        except BaseException as exc:  # noqa: BLE001 - reported through the log; the watchdog sees the thread die
-            self._error = exc
-            logger.exception("router thread failed")
-        finally:
-            self._close()
-            self._wakeup.close()
+            monitor = self._monitor
+            handlers[monitor] = lambda: self.auth.count(monitor)
+        return handlers
+
+    def _failed(self, exc: BaseException) -> None:
+        self._error = exc
+        logger.exception("router thread failed")  # the watchdog sees the thread die
 
     def _close(self) -> None:
         if self._monitor is not None:
@@ -176,14 +151,6 @@ class SocketThread(threading.Thread):
                 self._send_now(peer, P.encode(reply))
                 continue
             self.deliver(peer, [frame.buffer for frame in body])
-
-    def _drain_outbound(self) -> None:
-        while True:
-            try:
-                peer, frames = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._send_now(peer, frames)
 
     def _send_now(self, peer: Peer, frames: list) -> None:
         try:

@@ -2,7 +2,8 @@
 
 - ``T2IParams`` / ``T2VParams``: the request fields (msgspec, unknown fields refused).
 - ``TinyCheckpoint``: the deterministic built-in checkpoints, built once and verified on every use
-  (``<cache>/models/tiny-<family>-v1``; cache ``$TILECAST_CACHE`` or ``~/.cache/tilecast``).
+  (``<cache>/models/tiny-<family>-v1``; cache ``$TILECAST_CACHE`` or ``~/.cache/tilecast``), and
+  the tiny networks several of them share (``tiny_qwen_text_config``).
 - ``DiffusersBatchPipeline``: a ``Pipeline`` over a diffusers pipeline object. A merged batch is one
   native diffusers call with a list of prompts and one ``torch.Generator`` per request, seeded by
   that request's own seed, so a request's starting noise is the same alone or in a batch. Only the
@@ -34,6 +35,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS, install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
@@ -147,6 +149,23 @@ class TinyCheckpoint:
         return ensure_model_dir(self.name, f"{self.ref}.write", cache_dir)
 
 
+def tiny_qwen_text_config(tokenizer, *, hidden_size: int) -> dict:
+    """The tiny Qwen language model that both Qwen-conditioned checkpoints build (Z-Image's
+    ``Qwen3Config``, Qwen-Image's ``Qwen2_5_VLConfig`` text tower): two layers of ``hidden_size``,
+    two query heads sharing one key/value head, ``tokenizer``'s vocabulary and ids."""
+    return dict(
+        vocab_size=tokenizers.QWEN_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 # ------------------------------------------------------------------------------------ outputs
 PNG_COMPRESS_LEVEL = 1
 """zlib level of written PNGs: the fastest. Encoding sits between a batch's last step and the
@@ -201,8 +220,8 @@ class DiffusersBatchPipeline(Pipeline):
     """A batchable T2I/T2V pipeline over a diffusers pipeline object (see the module docstring).
 
     Subclasses set the ``Pipeline`` class attributes plus ``diffusers_class``, ``checkpoint``,
-    ``size_multiple`` and the defaults, and implement ``call_kwargs`` (the diffusers arguments a
-    batch shares) and, where guidance differs, ``guidance_on``.
+    ``size_multiple`` and the defaults, and, where their diffusers pipeline differs, extend
+    ``call_kwargs`` (the diffusers arguments a batch shares) and override ``guidance_on``.
     """
 
     diffusers_class: ClassVar[str]
@@ -226,6 +245,8 @@ class DiffusersBatchPipeline(Pipeline):
     family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
+    default_negative_prompt: ClassVar[str] = ""
+    """What a request without ``negative_prompt`` steers away from when guidance runs."""
     cp_plan: ClassVar[Any] = None
     """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
     naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
@@ -330,15 +351,24 @@ class DiffusersBatchPipeline(Pipeline):
 
     # ---------------------------------------------------------------- execution
     def call_kwargs(self, params) -> dict[str, Any]:
-        """Diffusers ``__call__`` arguments shared by the batch (everything but prompts and generators)."""
-        raise NotImplementedError
+        """Diffusers ``__call__`` arguments shared by the batch (everything but prompts and generators):
+        size, steps, ``guidance_scale``, text length, float output. A family whose pipeline takes
+        more, or names them otherwise, extends this."""
+        return dict(
+            width=params.width,
+            height=params.height,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            output_type="pt",
+        )
 
     def negative_prompts(self, items: list[WorkItem]) -> dict[str, Any]:
         """The ``negative_prompt`` argument: one per request when guidance runs, else none."""
         first = items[0].params
         if not self.guidance_on(first):
             return {}
-        return {"negative_prompt": [item.params.negative_prompt or "" for item in items]}
+        return {"negative_prompt": [item.params.negative_prompt or self.default_negative_prompt for item in items]}
 
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
         """The diffusers ``__call__`` arguments of a batch (all but the progress callback and

@@ -192,13 +192,3 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
 
     def no_guidance_reason(self, params) -> str:
         return "FLUX.1-dev is guidance-distilled and runs no classifier-free guidance"
-
-    def call_kwargs(self, params) -> dict:
-        return dict(
-            width=params.width,
-            height=params.height,
-            num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            output_type="pt",
-        )

@@ -62,28 +62,49 @@ class FluxDenseAttnProcessor:
     ):
         if attention_mask is not None:
             raise ValueError("FluxDenseAttnProcessor computes unmasked attention; got an attention_mask")
-        q_BSC, k_BSC, v_BSC, text_q_BSC, text_k_BSC, text_v_BSC = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        q_BSHD = attn.norm_q(q_BSC.unflatten(-1, (-1, attn.head_dim)))
-        k_BSHD = attn.norm_k(k_BSC.unflatten(-1, (-1, attn.head_dim)))
-        v_BSHD = v_BSC.unflatten(-1, (-1, attn.head_dim))
-        if attn.added_kv_proj_dim is not None:  # joint block: the text tokens go first
-            q_BSHD = torch.cat([attn.norm_added_q(text_q_BSC.unflatten(-1, (-1, attn.head_dim))), q_BSHD], dim=1)
-            k_BSHD = torch.cat([attn.norm_added_k(text_k_BSC.unflatten(-1, (-1, attn.head_dim))), k_BSHD], dim=1)
-            v_BSHD = torch.cat([text_v_BSC.unflatten(-1, (-1, attn.head_dim)), v_BSHD], dim=1)
-        if image_rotary_emb is not None:
-            q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
-            k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+        q_BSHD, k_BSHD, v_BSHD = flux_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         out_BSHD, _lse_BHS = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend)
-        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
-        if encoder_hidden_states is None:
-            return out_BSC
-        text_BSC, image_BSC = out_BSC.split_with_sizes(
-            [encoder_hidden_states.shape[1], out_BSC.shape[1] - encoder_hidden_states.shape[1]], dim=1
-        )
-        image_BSC = attn.to_out[1](attn.to_out[0](image_BSC.contiguous()))
-        return image_BSC, attn.to_add_out(text_BSC.contiguous())
+        return flux_output(attn, out_BSHD, encoder_hidden_states, dtype=q_BSHD.dtype)
+
+
+def flux_qkv(
+    attn: FluxAttention,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``FluxAttnProcessor`` up to the attention: the per-head normed queries, keys and
+    values (``BSHD``) of the joint ``[text, image]`` sequence (image only in single-stream blocks),
+    with the rotary embedding applied."""
+    q_BSC, k_BSC, v_BSC, text_q_BSC, text_k_BSC, text_v_BSC = _get_qkv_projections(
+        attn, hidden_states, encoder_hidden_states
+    )
+    q_BSHD = attn.norm_q(q_BSC.unflatten(-1, (-1, attn.head_dim)))
+    k_BSHD = attn.norm_k(k_BSC.unflatten(-1, (-1, attn.head_dim)))
+    v_BSHD = v_BSC.unflatten(-1, (-1, attn.head_dim))
+    if attn.added_kv_proj_dim is not None:  # joint block: the text tokens go first
+        q_BSHD = torch.cat([attn.norm_added_q(text_q_BSC.unflatten(-1, (-1, attn.head_dim))), q_BSHD], dim=1)
+        k_BSHD = torch.cat([attn.norm_added_k(text_k_BSC.unflatten(-1, (-1, attn.head_dim))), k_BSHD], dim=1)
+        v_BSHD = torch.cat([text_v_BSC.unflatten(-1, (-1, attn.head_dim)), v_BSHD], dim=1)
+    if image_rotary_emb is not None:
+        q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
+        k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+    return q_BSHD, k_BSHD, v_BSHD
+
+
+def flux_output(
+    attn: FluxAttention, out_BSHD: torch.Tensor, encoder_hidden_states: torch.Tensor | None, *, dtype: torch.dtype
+):
+    """diffusers' ``FluxAttnProcessor`` after the attention: the heads merged (in ``dtype``), and in a
+    joint block the image and text tokens split apart through their output projections (``(image, text)``)."""
+    out_BSC = out_BSHD.flatten(2, 3).to(dtype)
+    if encoder_hidden_states is None:
+        return out_BSC
+    text_BSC, image_BSC = out_BSC.split_with_sizes(
+        [encoder_hidden_states.shape[1], out_BSC.shape[1] - encoder_hidden_states.shape[1]], dim=1
+    )
+    image_BSC = attn.to_out[1](attn.to_out[0](image_BSC.contiguous()))
+    return image_BSC, attn.to_add_out(text_BSC.contiguous())
 
 
 _UNFUSED = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")

@@ -1,11 +1,11 @@
 """Qwen-Image text-to-image (``QwenImagePipeline``) and its built-in tiny checkpoint ``tiny/qwen-image``.
 
 The tiny checkpoint keeps the real structure: the Wan-style 8x ``AutoencoderKLQwenImage`` with 16
-latent channels, an MMDiT ``QwenImageTransformer2DModel`` on 2x2-packed latents, and a
-``Qwen2_5_VLForConditionalGeneration`` text encoder (tiny text and vision towers; only the text
-path runs) with a byte-level ``Qwen2Tokenizer`` built offline. The pipeline drops the first 34
-template tokens as the real one does; with a byte tokenizer that cut falls inside the system
-prompt, which changes nothing structural.
+latent channels (``tiny/wan2.1-t2v``'s VAE config), an MMDiT ``QwenImageTransformer2DModel`` on
+2x2-packed latents, and a ``Qwen2_5_VLForConditionalGeneration`` text encoder (tiny text and
+vision towers; only the text path runs) with a byte-level ``Qwen2Tokenizer`` built offline. The
+pipeline drops the first 34 template tokens as the real one does; with a byte tokenizer that cut
+falls inside the system prompt, which changes nothing structural.
 
 ``guidance_scale`` is Qwen-Image's true classifier-free guidance (diffusers' ``true_cfg_scale``):
 above 1 every request runs a conditional and an unconditional pass, the latter on its own
@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families import tokenizers, wan
+from tilecast.runtime.models.families.common import (
+    DiffusersBatchPipeline,
+    T2IParams,
+    TinyCheckpoint,
+    tiny_qwen_text_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +43,9 @@ def build_tiny_qwen_image():
     tokenizer = tokenizers.qwen_tokenizer()
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=tokenizers.QWEN_VOCAB_SIZE,
-            hidden_size=TEXT_DIM,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
             bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+            **tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM),
         ),
         vision_config=dict(
             depth=1,
@@ -79,13 +76,7 @@ def build_tiny_qwen_image():
         joint_attention_dim=TEXT_DIM,
         axes_dims_rope=(4, 6, 6),
     )
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
+    vae = AutoencoderKLQwenImage(**wan.tiny_vae_config())
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0,
         use_dynamic_shifting=True,
@@ -124,18 +115,10 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
     default_guidance = 4.0
     max_sequence_length = 256
 
-    def negative_prompts(self, items):
-        if not self.guidance_on(items[0].params):
-            return {}
-        return {"negative_prompt": [item.params.negative_prompt or " " for item in items]}
+    default_negative_prompt = " "
+    """diffusers' recommendation for Qwen-Image."""
 
     def call_kwargs(self, params) -> dict:
-        return dict(
-            width=params.width,
-            height=params.height,
-            num_inference_steps=params.num_inference_steps,
-            true_cfg_scale=params.guidance_scale,
-            guidance_scale=None,
-            max_sequence_length=self.max_sequence_length,
-            output_type="pt",
-        )
+        """``guidance_scale`` is diffusers' ``true_cfg_scale`` here (its own ``guidance_scale`` is for
+        guidance-distilled checkpoints)."""
+        return {**super().call_kwargs(params), "true_cfg_scale": params.guidance_scale, "guidance_scale": None}

@@ -48,33 +48,13 @@ class FluxSequenceParallelProcessor(_SequenceParallelProcessor):
     as one stream in the single-stream blocks."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+        from tilecast.runtime.models.families.flux_fast import flux_output, flux_qkv  # imports diffusers' FLUX
 
         if attention_mask is not None:
             raise ValueError("FLUX's sequence-parallel attention takes no attention_mask")
-        q_BSC, k_BSC, v_BSC, text_q_BSC, text_k_BSC, text_v_BSC = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        q_BSHD = attn.norm_q(q_BSC.unflatten(-1, (-1, attn.head_dim)))
-        k_BSHD = attn.norm_k(k_BSC.unflatten(-1, (-1, attn.head_dim)))
-        v_BSHD = v_BSC.unflatten(-1, (-1, attn.head_dim))
-        if attn.added_kv_proj_dim is not None:  # joint block: the text tokens go first
-            q_BSHD = torch.cat([attn.norm_added_q(text_q_BSC.unflatten(-1, (-1, attn.head_dim))), q_BSHD], dim=1)
-            k_BSHD = torch.cat([attn.norm_added_k(text_k_BSC.unflatten(-1, (-1, attn.head_dim))), k_BSHD], dim=1)
-            v_BSHD = torch.cat([text_v_BSC.unflatten(-1, (-1, attn.head_dim)), v_BSHD], dim=1)
-        if image_rotary_emb is not None:
-            q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
-            k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+        q_BSHD, k_BSHD, v_BSHD = flux_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("encoder_hidden_states", None), ("hidden_states", None)])
-        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
-        if encoder_hidden_states is None:
-            return out_BSC
-        text_BSC, image_BSC = out_BSC.split_with_sizes(
-            [encoder_hidden_states.shape[1], out_BSC.shape[1] - encoder_hidden_states.shape[1]], dim=1
-        )
-        image_BSC = attn.to_out[1](attn.to_out[0](image_BSC.contiguous()))
-        return image_BSC, attn.to_add_out(text_BSC.contiguous())
+        return flux_output(attn, out_BSHD, encoder_hidden_states, dtype=q_BSHD.dtype)
 
 
 class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):

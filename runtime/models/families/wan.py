@@ -2,8 +2,9 @@
 
 The tiny checkpoint keeps the real structure: the causal 3D ``AutoencoderKLWan`` (8x spatial, 4x
 temporal, 16 latent channels), a ``WanTransformer3DModel`` with 1x2x2 patches, cross-attention on a
-``UMT5EncoderModel`` with a ``T5TokenizerFast`` built offline, and the flow-matching UniPC
-scheduler with ``flow_shift=3`` that the released 1.3B checkpoint ships.
+``UMT5EncoderModel`` (the config of ``tiny/flux``'s T5 encoder) with a ``T5TokenizerFast`` built
+offline, and the flow-matching UniPC scheduler with ``flow_shift=3`` that the released 1.3B
+checkpoint ships.
 
 ``num_frames`` must be ``4k + 1`` (the VAE's temporal factor; diffusers would silently round
 otherwise). ``guidance_scale`` above 1 runs classifier-free guidance with each request's
@@ -17,15 +18,21 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import tokenizers
+from tilecast.runtime.models.families import flux, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
-TEXT_DIM = 32
-"""``d_model`` of the tiny UMT5 encoder (the transformer's ``text_dim``)."""
+TEXT_DIM = flux.TEXT_DIM
+"""``d_model`` of the tiny UMT5 encoder, tiny FLUX's T5 (the transformer's ``text_dim``)."""
 MAX_FRAMES = 257
 """Longest video a request may ask for."""
+
+
+def tiny_vae_config() -> dict:
+    """The tiny causal 3D VAE's config (``AutoencoderKLWan``; Qwen-Image's ``AutoencoderKLQwenImage``
+    has the same structure)."""
+    return dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
 
 
 def build_tiny_wan():
@@ -34,19 +41,8 @@ def build_tiny_wan():
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tokenizers.t5_tokenizer()
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=tokenizers.T5_VOCAB_SIZE,
-            d_model=TEXT_DIM,
-            d_kv=16,
-            d_ff=64,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-        )
-    )
+    t5 = flux.flux_configs(flux.TINY_OVERRIDES)["text_encoder_2"]  # UMT5 has T5-v1.1's structure
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **t5))
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -59,13 +55,7 @@ def build_tiny_wan():
         num_layers=1,
         rope_max_seq_len=1024,
     )
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
+    vae = AutoencoderKLWan(**tiny_vae_config())
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
@@ -122,12 +112,4 @@ class WanT2VPipeline(DiffusersBatchPipeline):
             raise ValueError(f"fps must be in 1..120, got {params.fps}")
 
     def call_kwargs(self, params) -> dict:
-        return dict(
-            width=params.width,
-            height=params.height,
-            num_frames=params.num_frames,
-            num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            output_type="pt",
-        )
+        return {**super().call_kwargs(params), "num_frames": params.num_frames}

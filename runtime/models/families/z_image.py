@@ -1,10 +1,10 @@
 """Z-Image-Turbo text-to-image (``ZImagePipeline``) and its built-in tiny checkpoint ``tiny/z-image-turbo``.
 
-The tiny checkpoint keeps the real structure: a 16-channel, 8x ``AutoencoderKL``, a single-stream
-``ZImageTransformer2DModel`` (2x2 patches, noise and context refiner layers) and a ``Qwen3Model``
-text encoder whose second-to-last hidden state conditions the transformer, with a byte-level
-``Qwen2Tokenizer`` built offline and a Qwen chat template (the pipeline formats every prompt
-through ``apply_chat_template``).
+The tiny checkpoint keeps the real structure: FLUX.1's 16-channel, 8x ``AutoencoderKL`` (the one
+of ``tiny/flux``), a single-stream ``ZImageTransformer2DModel`` (2x2 patches, noise and context
+refiner layers) and a ``Qwen3Model`` text encoder whose second-to-last hidden state conditions the
+transformer, with a byte-level ``Qwen2Tokenizer`` built offline and a Qwen chat template (the
+pipeline formats every prompt through ``apply_chat_template``).
 
 Z-Image-Turbo is distilled to run without guidance: the default ``guidance_scale`` is 0; above 0
 diffusers runs classifier-free guidance with each request's ``negative_prompt`` (default ``""``).
@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families import flux, tokenizers
+from tilecast.runtime.models.families.common import (
+    DiffusersBatchPipeline,
+    T2IParams,
+    TinyCheckpoint,
+    tiny_qwen_text_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,20 +34,7 @@ def build_tiny_z_image():
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = tokenizers.qwen_tokenizer()
-    text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=tokenizers.QWEN_VOCAB_SIZE,
-            hidden_size=TEXT_DIM,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=2048,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = Qwen3Model(Qwen3Config(head_dim=16, **tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM)))
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,),
         all_f_patch_size=(1,),
@@ -56,21 +48,7 @@ def build_tiny_z_image():
         axes_dims=[4, 6, 6],
         axes_lens=[512, 128, 128],
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=16,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = AutoencoderKL(**flux.flux_configs(flux.TINY_OVERRIDES)["vae"])  # Z-Image-Turbo decodes with FLUX.1's VAE
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
     return ZImagePipeline(
         scheduler=scheduler,
@@ -130,13 +108,3 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
 
     def guidance_on(self, params) -> bool:
         return params.guidance_scale > 0.0
-
-    def call_kwargs(self, params) -> dict:
-        return dict(
-            width=params.width,
-            height=params.height,
-            num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            output_type="pt",
-        )
