@@ -42,7 +42,7 @@ def test_peer_refuses_a_model_that_is_not_a_diffusers_family():
     ("args", "message"),
     [
         (("--peer", "vllm"), "--peer must be one of diffusers or none, got 'vllm'"),
-        (("--peer", "diffusers", "--num-gpus", "2"), "use --num-gpus 1"),
+        (("--peer", "diffusers", "--num-gpus", "2"), "runs on one device; measure one rank only"),
         (("--dtype", "fp8"), "--dtype must be one of"),
     ],
     ids=["unknown-peer", "peer-on-two-gpus", "bad-dtype"],
