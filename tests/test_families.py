@@ -183,9 +183,24 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
         "guidance_scale",
         "output_format",
         "return_tensor",
+        # SGLang's fields: what shapes the computation is in the key (true_cfg_scale is folded
+        # into guidance_scale and enable_teacache can only be false by then)
+        "generator_device",
+        "max_sequence_length",
+        "flow_shift",
+        "true_cfg_scale",
+        "enable_teacache",
     }
-    for change in ({"num_inference_steps": 3}, {"guidance_scale": 1.0}, {"return_tensor": True}, {"width": 48}):
+    for change in (
+        {"num_inference_steps": 3},
+        {"guidance_scale": 1.0},
+        {"return_tensor": True},
+        {"width": 48},
+        {"max_sequence_length": 64},
+    ):
         assert pipe.batch_key(params_for(pipe, prompt="a", **change)) != pipe.batch_key(b), change
+    jpeg = dict(prompt="a", output_format="jpeg")
+    assert pipe.batch_key(params_for(pipe, **jpeg, output_quality=50)) == pipe.batch_key(params_for(pipe, **jpeg))
     wan, _ = loaded("tiny/wan2.1-t2v")
     wan_key = wan.batch_key(params_for(wan, prompt="a"))
     assert "num_frames" in wan_key and "fps" not in wan_key  # fps only stamps the file
@@ -204,3 +219,68 @@ def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded,
     expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]
     got = compiled.run([WorkItem(job_id="compiled", params=params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+# ---- SGLang-Diffusion's request fields -----------------------------------------------------
+def _tensor(pipe, ctx, job="j", **fields):
+    params = params_for(pipe, return_tensor=True, **fields)
+    return pipe.run([WorkItem(job_id=job, params=params)], ctx)[0].tensors[pipe.output_kind]
+
+
+@pytest.mark.parametrize(
+    "name, fields, message",
+    [
+        ("tiny/flux", {"generator_device": "cuda"}, "generator_device 'cuda' needs a CUDA server"),
+        ("tiny/flux", {"generator_device": "tpu"}, "generator_device must be one of cpu, cuda"),
+        ("tiny/flux", {"enable_teacache": True}, "tilecast has no TeaCache"),
+        ("tiny/flux", {"flow_shift": 3.0}, "flow_shift cannot be used by flux"),
+        ("tiny/flux", {"true_cfg_scale": 4.0}, "true_cfg_scale cannot be used by flux"),
+        ("tiny/flux", {"max_sequence_length": 4096}, "max_sequence_length must be in 1..512"),
+        ("tiny/flux", {"output_quality": 80}, "output_quality applies to jpeg and webp images, not png"),
+        ("tiny/flux", {"output_format": "jpeg", "output_quality": 80, "output_compression": 5}, "not both"),
+        ("tiny/qwen-image", {"true_cfg_scale": 4.0, "guidance_scale": 2.0}, "give one of them"),
+        ("tiny/wan2.1-t2v", {"output_compression": 10}, "applies to jpeg and webp images, not mp4"),
+    ],
+)
+def test_sglang_fields_a_family_cannot_honour_are_refused_naming_them(loaded, name, fields, message):
+    pipe, _ = loaded(name)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        params_for(pipe, prompt="a", **fields)
+
+
+def test_sglang_fields_are_honoured(loaded):
+    flux, flux_ctx = loaded("tiny/flux")
+    base = _tensor(flux, flux_ctx, prompt="a lighthouse", seed=4)
+    shorter = _tensor(flux, flux_ctx, prompt="a lighthouse", seed=4, max_sequence_length=16)
+    assert (base - shorter).abs().max() > 1e-4  # fewer (padded) text tokens: another computation
+
+    qwen, qwen_ctx = loaded("tiny/qwen-image")
+    assert params_for(qwen, prompt="a", true_cfg_scale=3.0).guidance_scale == 3.0  # Qwen's guidance is true CFG
+    by_guidance = _tensor(qwen, qwen_ctx, prompt="a boat", seed=2, guidance_scale=3.0)
+    by_true_cfg = _tensor(qwen, qwen_ctx, prompt="a boat", seed=2, true_cfg_scale=3.0)
+    assert torch.equal(by_guidance, by_true_cfg)
+
+    wan, wan_ctx = loaded("tiny/wan2.1-t2v")
+    default = _tensor(wan, wan_ctx, prompt="rain", seed=1)
+    shifted = _tensor(wan, wan_ctx, prompt="rain", seed=1, flow_shift=9.0)
+    assert (default - shifted).abs().max() > 1e-4
+    assert wan.pipe.scheduler.config.flow_shift != 9.0  # the shift was for that batch only
+    again = _tensor(wan, wan_ctx, prompt="rain", seed=1)
+    assert torch.equal(default, again)
+
+
+def test_jpeg_and_webp_quality_and_compression(loaded, tmp_path):
+    pipe, ctx = loaded("tiny/flux")
+
+    def encoded(**fields) -> bytes:
+        params = params_for(pipe, prompt="a checkerboard", seed=3, **fields)
+        (path,) = [
+            f.path
+            for f in pipe.run([WorkItem(job_id="-".join(map(str, fields.values())), params=params)], ctx)[0].files
+        ]
+        return Path(path).read_bytes()
+
+    webp = encoded(output_format="webp")
+    assert webp[:4] == b"RIFF" and webp[8:12] == b"WEBP"
+    assert len(encoded(output_format="jpeg", output_quality=5)) < len(encoded(output_format="jpeg", output_quality=95))
+    assert encoded(output_format="jpeg", output_compression=90) == encoded(output_format="jpeg", output_quality=10)

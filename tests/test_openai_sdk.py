@@ -70,6 +70,28 @@ def test_images_generate_b64_and_url_give_the_same_picture(image_server):
     assert base64.b64decode(neutral.data[0].b64_json) == png
 
 
+def test_sglang_and_openai_encoding_fields_through_http(image_server):
+    sdk = _sdk(image_server.http_url)
+    webp = sdk.images.generate(
+        prompt="a lighthouse", size="32x32", response_format="b64_json", output_format="webp",
+        output_compression=50, extra_body=STEPS,
+    )  # fmt: skip
+    image = base64.b64decode(webp.data[0].b64_json)
+    assert image[:4] == b"RIFF" and image[8:12] == b"WEBP"
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.images.generate(prompt="x", size="32x32", extra_body={"enable_teacache": True, **STEPS})
+    assert refused.value.param == "enable_teacache" and "TeaCache" in refused.value.message
+    # SGLang's clients nest extra fields under "extra_body" in the JSON itself
+    nested = {
+        "prompt": "x",
+        "size": "32x32",
+        "response_format": "b64_json",
+        "extra_body": {"max_sequence_length": 16, **STEPS},
+    }
+    response = httpx.post(f"{image_server.http_url}/v1/images/generations", json=nested, timeout=120)
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("quality", "hd"), ("style", "natural"), ("background", "transparent"), ("response_format", "png")],

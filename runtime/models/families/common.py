@@ -21,6 +21,7 @@ Shape legend: ``B`` batch, ``F`` frames, ``C`` channels, ``H``/``W`` pixels.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -48,16 +49,41 @@ MAX_STEPS = 1000
 """Largest ``num_inference_steps``."""
 MAX_PROMPT_CHARS = 20_000
 """Longest prompt accepted (the tokenizers truncate long before; this only bounds the wire)."""
-IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg"}
+IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 """``output_format`` values of the T2I families and their MIME types."""
 VIDEO_FORMATS = {"mp4": "video/mp4"}
 """``output_format`` values of the T2V families."""
 MAX_SEED = 2**64 - 1
 """Largest ``seed`` (a ``torch.Generator`` takes 64-bit seeds; the wire carries up to uint64)."""
+GENERATOR_DEVICES = ("cpu", "cuda")
+"""``generator_device`` values: where each request's starting noise is drawn."""
+JPEG_WEBP_QUALITY = 95
+"""Encoder quality of JPEG and WebP images when the request sets none."""
+
+
+class SGLangFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Request fields SGLang-Diffusion's clients send, with SGLang's names and meanings."""
+
+    generator_device: str = "cpu"
+    """Where the starting noise is drawn: ``cpu`` (default: the same picture on every machine) or
+    ``cuda`` (the server's GPU, as SGLang's default; another picture for the same seed)."""
+    max_sequence_length: int | None = None
+    """Text tokens per prompt (family default when unset; at most the family's limit)."""
+    true_cfg_scale: float | None = None
+    """Diffusers' true classifier-free guidance scale, for families whose ``guidance_scale`` is that
+    (Qwen-Image); refused elsewhere."""
+    flow_shift: float | None = None
+    """The flow-matching scheduler's shift, for schedulers configured by ``flow_shift`` (Wan)."""
+    enable_teacache: bool = False
+    """TeaCache step skipping: tilecast has none, so ``true`` is refused."""
+    output_quality: int | None = None
+    """JPEG/WebP encoder quality 1..100 (SGLang's name)."""
+    output_compression: int | None = None
+    """JPEG/WebP compression 0..100 (OpenAI's name; quality = 100 - compression)."""
 
 
 # ------------------------------------------------------------------------------------ params
-class T2IParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class T2IParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
     """A text-to-image request. ``None`` numbers take the family's default in ``prepare``."""
 
     prompt: str
@@ -76,14 +102,14 @@ class T2IParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 42
     """Seeds this request's starting noise, alone or in a batch."""
     output_format: str = "png"
-    """``png`` or ``jpeg``."""
+    """``png``, ``jpeg`` or ``webp``."""
     output_file_name: str | None = None
     """Name of the written file (default ``<job id>.<format>``); letters, digits, ``._-`` only."""
     return_tensor: bool = False
     """Also return the raw float output (``[0, 1]``, ``3xHxW``) as tensor ``image``."""
 
 
-class T2VParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class T2VParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
     """A text-to-video request. ``None`` numbers take the family's default in ``prepare``."""
 
     prompt: str
@@ -175,8 +201,8 @@ _ENCODERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_n
 """Encodes a batch's images in parallel (PIL releases the GIL while compressing)."""
 
 
-def image_bytes(image_CHW: torch.Tensor, fmt: str) -> bytes:
-    """Encode a float image in ``[0, 1]`` as PNG or JPEG."""
+def image_bytes(image_CHW: torch.Tensor, fmt: str, quality: int = JPEG_WEBP_QUALITY) -> bytes:
+    """Encode a float image in ``[0, 1]`` as PNG, JPEG or WebP (``quality``: JPEG/WebP only)."""
     from PIL import Image
 
     array = (image_CHW.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
@@ -184,12 +210,21 @@ def image_bytes(image_CHW: torch.Tensor, fmt: str) -> bytes:
     if fmt == "png":
         Image.fromarray(array).save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     else:
-        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+        Image.fromarray(array).save(buffer, format=fmt.upper(), quality=quality)
     return buffer.getvalue()
 
 
-def write_image(image_CHW: torch.Tensor, fmt: str, path: Path) -> None:
-    path.write_bytes(image_bytes(image_CHW, fmt))
+def encoder_quality(params) -> int:
+    """The JPEG/WebP quality a request asks for (``output_quality``, or 100 - ``output_compression``)."""
+    if params.output_quality is not None:
+        return params.output_quality
+    if params.output_compression is not None:
+        return max(1, 100 - params.output_compression)
+    return JPEG_WEBP_QUALITY
+
+
+def write_image(image_CHW: torch.Tensor, fmt: str, path: Path, quality: int = JPEG_WEBP_QUALITY) -> None:
+    path.write_bytes(image_bytes(image_CHW, fmt, quality))
 
 
 def write_mp4(video_FCHW: torch.Tensor, path: Path, *, fps: int) -> None:
@@ -237,7 +272,11 @@ class DiffusersBatchPipeline(Pipeline):
     default_steps: ClassVar[int] = 2
     default_guidance: ClassVar[float] = 0.0
     max_sequence_length: ClassVar[int] = 128
-    """Text tokens per prompt passed to diffusers (the tiny encoders need few)."""
+    """Text tokens per prompt passed to diffusers when the request sets none (the tiny encoders need few)."""
+    max_sequence_length_limit: ClassVar[int] = 512
+    """The largest ``max_sequence_length`` a request may ask for (the text encoder's trained length)."""
+    true_cfg_is_guidance: ClassVar[bool] = False
+    """``guidance_scale`` is diffusers' ``true_cfg_scale`` (Qwen-Image): ``true_cfg_scale`` is its alias."""
     max_batch_size: ClassVar[int] = 16
     honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype", "compile"})
     """The ``ServeConfig`` fields these families read (``Pipeline.honoured_settings``); any other
@@ -247,6 +286,11 @@ class DiffusersBatchPipeline(Pipeline):
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
     default_negative_prompt: ClassVar[str] = ""
     """What a request without ``negative_prompt`` steers away from when guidance runs."""
+    per_request_fields: ClassVar[tuple[str, ...]] = Pipeline.per_request_fields + (
+        "output_quality",
+        "output_compression",
+    )
+    """The encoder's quality only shapes each request's own file, so it never splits a batch."""
     cp_plan: ClassVar[Any] = None
     """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
     naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
@@ -339,11 +383,60 @@ class DiffusersBatchPipeline(Pipeline):
         if not 0 <= params.seed <= MAX_SEED:
             raise ValueError(f"seed must be an integer in 0..2**64-1 (torch's generator range), got {params.seed}")
         check_output_file_name(params.output_file_name)
-        params = msgspec.structs.replace(params, num_inference_steps=steps, guidance_scale=float(guidance))
+        guidance = self.check_sglang_fields(params, guidance)
+        params = msgspec.structs.replace(
+            params, num_inference_steps=steps, guidance_scale=float(guidance), true_cfg_scale=None
+        )
         if params.negative_prompt is not None and not self.guidance_on(params):
             raise ValueError(f"negative_prompt cannot be used by {self.family}: {self.no_guidance_reason(params)}")
         self.validate(params)
         return params
+
+    def check_sglang_fields(self, params, guidance: float) -> float:
+        """Check ``SGLangFields``; returns the guidance scale (``true_cfg_scale`` where it is the
+        family's guidance). A field this family cannot honour raises ``ValueError`` naming it."""
+        if params.generator_device not in GENERATOR_DEVICES:
+            raise ValueError(
+                f"generator_device must be one of {', '.join(GENERATOR_DEVICES)}, got {params.generator_device!r}"
+            )
+        if params.generator_device == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"generator_device 'cuda' needs a CUDA server; this one runs on {self.device.type}")
+        length = params.max_sequence_length
+        if length is not None and not 1 <= length <= self.max_sequence_length_limit:
+            raise ValueError(
+                f"max_sequence_length must be in 1..{self.max_sequence_length_limit} for {self.family}, got {length}"
+            )
+        if params.enable_teacache:
+            raise ValueError("enable_teacache: tilecast has no TeaCache (no step caching); send false or leave it out")
+        if params.flow_shift is not None and "flow_shift" not in getattr(self.pipe.scheduler, "config", {}):
+            raise ValueError(
+                f"flow_shift cannot be used by {self.family}: its scheduler "
+                f"({type(self.pipe.scheduler).__name__}) is not configured by a flow shift"
+            )
+        if params.flow_shift is not None and not 0.0 < params.flow_shift <= 100.0:
+            raise ValueError(f"flow_shift must be in (0, 100], got {params.flow_shift}")
+        for name, low in (("output_quality", 1), ("output_compression", 0)):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if not low <= value <= 100:
+                raise ValueError(f"{name} must be in {low}..100, got {value}")
+            if self.output_kind != "image" or params.output_format == "png":
+                raise ValueError(f"{name} applies to jpeg and webp images, not {params.output_format}")
+        if params.output_quality is not None and params.output_compression is not None:
+            raise ValueError("give either output_quality or output_compression, not both")
+        if params.true_cfg_scale is None:
+            return guidance
+        if not self.true_cfg_is_guidance:
+            raise ValueError(
+                f"true_cfg_scale cannot be used by {self.family}: its guidance is guidance_scale"
+                f" ({self.no_guidance_reason(params) if not self.guidance_on(params) else 'set that instead'})"
+            )
+        if params.guidance_scale is not None and params.guidance_scale != params.true_cfg_scale:
+            raise ValueError("true_cfg_scale and guidance_scale are the same setting here; give one of them")
+        if not 0.0 <= params.true_cfg_scale <= 100.0:
+            raise ValueError(f"true_cfg_scale must be in 0..100, got {params.true_cfg_scale}")
+        return params.true_cfg_scale
 
     # batch_key: the base class's default (every field except prompt, negative_prompt, seed,
     # output_file_name). Guidance on/off is a function of guidance_scale, which is in the key, so
@@ -359,7 +452,7 @@ class DiffusersBatchPipeline(Pipeline):
             height=params.height,
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
-            max_sequence_length=self.max_sequence_length,
+            max_sequence_length=params.max_sequence_length or self.max_sequence_length,
             output_type="pt",
         )
 
@@ -377,7 +470,12 @@ class DiffusersBatchPipeline(Pipeline):
         return dict(
             prompt=[item.params.prompt for item in items],
             **self.negative_prompts(items),
-            generator=[torch.Generator(device="cpu").manual_seed(item.params.seed) for item in items],
+            generator=[
+                torch.Generator(device=self.device if item.params.generator_device == "cuda" else "cpu").manual_seed(
+                    item.params.seed
+                )
+                for item in items
+            ],
             **self.call_kwargs(items[0].params),
         )
 
@@ -395,13 +493,26 @@ class DiffusersBatchPipeline(Pipeline):
             return callback_kwargs
 
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
-        with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)):
+        with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
 
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
         """One denoising step at the request defaults' size."""
         return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+
+    @contextlib.contextmanager
+    def flow_shift(self, params):
+        """While inside, the scheduler runs with the request's ``flow_shift`` (the batch shares it)."""
+        if params.flow_shift is None:
+            yield
+            return
+        scheduler = self.pipe.scheduler
+        self.pipe.scheduler = type(scheduler).from_config(scheduler.config, flow_shift=params.flow_shift)
+        try:
+            yield
+        finally:
+            self.pipe.scheduler = scheduler
 
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
@@ -422,7 +533,8 @@ class DiffusersBatchPipeline(Pipeline):
             if ctx.is_output_rank:
                 path = output_path(ctx, item, self.family, params.output_format)
                 if self.output_kind == "image":
-                    writes.append(_ENCODERS.submit(write_image, sample, params.output_format, path))
+                    quality = encoder_quality(params)
+                    writes.append(_ENCODERS.submit(write_image, sample, params.output_format, path, quality))
                     mime = IMAGE_FORMATS[params.output_format]
                 else:
                     write_mp4(sample, path, fps=params.fps)

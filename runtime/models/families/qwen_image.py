@@ -114,6 +114,8 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
     size_multiple = 16
     default_guidance = 4.0
     max_sequence_length = 256
+    max_sequence_length_limit = 1024
+    true_cfg_is_guidance = True
 
     default_negative_prompt = " "
     """diffusers' recommendation for Qwen-Image."""
