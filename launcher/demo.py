@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console.rule("[bold]tilecast demo: Kandinsky 6 SR (tiny) on 2 CPU ranks")
     landscape = write_test_video(inputs / "landscape.mp4", 64, 64, 9, 24.0)
-    small = write_test_video(inputs / "small.mp4", 32, 32, 9, 30.0)
+    small = write_test_video(inputs / "small.mp4", 32, 32, 11, 30.0)  # subsampled to 9 frames at 24 fps
     console.print(f"inputs: {landscape.name} ({describe(landscape)}), {small.name} ({describe(small)})")
 
     ready_file = Path(tempfile.mkdtemp(prefix="tilecast-demo-")) / "ready.json"

@@ -36,8 +36,10 @@ def write_test_video(
     audio: bool = True,
     audio_rate: int = 48000,
     stereo: bool = True,
+    audio_seconds: float | None = None,
 ) -> Path:
-    """Write a moving colour pattern (+ a 440 Hz sine for the clip's duration) as H.264/AAC MP4."""
+    """Write a moving colour pattern (+ a 440 Hz sine, ``audio_seconds`` long, by default the
+    clip's duration) as H.264/AAC MP4."""
     path = Path(path)
     rate = Fraction(fps).limit_denominator(1001)
     frames = pattern_frames(width, height, num_frames)
@@ -52,7 +54,8 @@ def write_test_video(
             container.mux(video.encode(av.VideoFrame.from_ndarray(frame_rgb, format="rgb24")))
         container.mux(video.encode(None))
         if audio_stream is not None:
-            num_samples = int(round(num_frames / float(rate) * audio_rate))
+            seconds = num_frames / float(rate) if audio_seconds is None else audio_seconds
+            num_samples = int(round(seconds * audio_rate))
             t = np.arange(num_samples, dtype=np.float32) / audio_rate
             tone = (0.3 * np.sin(2 * np.pi * TONE_HZ * t)).astype(np.float32)
             channels = 2 if stereo else 1

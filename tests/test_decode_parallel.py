@@ -205,13 +205,13 @@ def test_pipeline_on_two_ranks_matches_one_rank(tmp_path):
 
     ensure_tiny_k6sr(tmp_path / "cache")
     (tmp_path / "media").mkdir()
-    video_path = write_test_video(tmp_path / "media" / "clip.mp4", 80, 80, 5, 24, audio=True)
+    video_path = write_test_video(tmp_path / "media" / "clip.mp4", 80, 80, 9, 24, audio=True)
     ctx = _pipeline_ctx(0, 1, None, tmp_path / "single", tmp_path / "cache", tmp_path / "media")
     with torch.no_grad(), one_thread():
         single = _run_pipeline(ctx, video_path)
     results = run_ranks(_pipeline_rank, 2, str(tmp_path), video_path, timeout=TIMEOUT)
     frames_1, audio_1, mode_1, _ = single["whole_tile"]
-    assert mode_1 == "serial" and frames_1.shape == (5, 192, 192, 3) and audio_1 is not None
+    assert mode_1 == "serial" and frames_1.shape == (9, 192, 192, 3) and audio_1 is not None
     assert single["num_tiles"] == 4  # 2x2 tiles: 2 chunks per rank
     for label in MODES:
         for rank, outputs in enumerate(results):

@@ -326,7 +326,7 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
     from tilecast.runtime.inproc import InProcessServer
     from tilecast.runtime.synthetic import write_test_video
 
-    video = write_test_video(tmp_path / "clip.mp4", 64, 64, 5, 24.0)
+    video = write_test_video(tmp_path / "clip.mp4", 64, 64, 9, 24.0)
     plans = tmp_path / "plans"
     plans.mkdir()
     server = ServerProcess(

@@ -3,6 +3,8 @@ error at submit, and the server then serves a good request."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.media import write_test_video
@@ -52,4 +54,7 @@ def test_bad_inputs_get_errors_then_a_good_request_is_served(server, tmp_path):
         result = client.generate(video_path=str(good), sr_resolution_scale=2, seed=1, timeout=120)
         assert result.job.state == "completed"
         assert result.info["width"] == 128 and result.info["height"] == 128
+        assert result.info["num_frames"] == 9 and result.info["fps"] == 24.0
+        (output,) = result.files
+        assert re.fullmatch(r"good_sr2x_\d{8}-\d{6}\.mp4", output.name), output.name
         assert client.stats()["jobs"]["completed"] == 1

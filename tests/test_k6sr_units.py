@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import random
+from fractions import Fraction
 
 import pytest
 import torch
@@ -10,30 +12,47 @@ import torch
 from tilecast.launcher.bench.k6sr import DenseSDPAProcessor
 from tilecast.runtime.models.k6sr import params as P
 from tilecast.runtime.models.k6sr.tiling import TileBlender, hann_window_2d, plan_tiles, split_scale, tile_starts
-from tilecast.runtime.models.k6sr.video_io import MAX_FRAMES, select_frames
+from tilecast.runtime.models.k6sr.video_io import MAX_FRAMES, floor_frame_count, select_frames
 
 
 # ----------------------------------------------------------------------------- frame selection
-def _is_one_plus_4k(n: int) -> bool:
-    return n >= 1 and (n - 1) % 4 == 0
+def _is_one_plus_8k(n: int) -> bool:
+    return n >= 1 and (n - 1) % 8 == 0
+
+
+def test_frame_counts_floor_to_one_plus_8k_up_to_121():
+    assert [floor_frame_count(n) for n in (1, 8, 9, 16, 17, 57, 120, 121, 122, 400)] == [
+        1, 1, 9, 9, 17, 57, 113, 121, 121, 121,
+    ]  # fmt: skip
+    assert {floor_frame_count(n) for n in range(1, 200)} == set(range(1, MAX_FRAMES + 1, 8))
+    with pytest.raises(ValueError, match="at least one frame"):
+        floor_frame_count(0)
 
 
 def test_select_frames_30fps_150_subsamples_to_24fps():
     indices, fps = select_frames(150, 30.0)
     assert fps == 24
-    assert len(indices) <= MAX_FRAMES and _is_one_plus_4k(len(indices))
-    assert len(indices) == 117  # 120 timestamps at 24 fps in 5 s, trimmed to 1 + 4k
+    assert len(indices) <= MAX_FRAMES and _is_one_plus_8k(len(indices))
+    assert len(indices) == 113  # 120 timestamps at 24 fps in 5 s, floored to 1 + 8k
     # frame k is the source frame nearest to k / 24 s
     for k, index in enumerate(indices):
         assert abs(index / 30.0 - k / 24.0) <= 0.5 / 30.0 + 1e-9
     assert indices == sorted(set(indices))
 
 
-@pytest.mark.parametrize("fps", [23.0, 23.976, 24.0, 25.0])
-def test_select_frames_near_24_keeps_every_frame(fps):
+@pytest.mark.parametrize(
+    "fps, written_at",
+    [(22.6, 23), (23.0, 23), (24000 / 1001, 24), (24.0, 24), (24.5, 24), (25.0, 25), (25.4, 25)],
+)
+def test_select_frames_near_24_keeps_every_frame_at_the_rounded_rate(fps, written_at):
     indices, out_fps = select_frames(60, fps)
-    assert out_fps is None  # keeps its own rate
-    assert indices == list(range(57))  # 60 -> 1 + 4 * 14
+    assert out_fps == written_at and isinstance(out_fps, Fraction)
+    assert indices == list(range(57))  # 60 -> 1 + 8 * 7
+
+
+def test_select_frames_near_24_is_strictly_within_one_and_a_half_fps():
+    assert select_frames(60, 25.5)[1] == 24 and len(select_frames(60, 25.5)[0]) == 49  # faster: subsampled
+    assert select_frames(60, 22.5) == (list(range(57)), None)  # slower: native rate
 
 
 def test_select_frames_slow_source_keeps_native_rate_and_caps_length():
@@ -45,8 +64,10 @@ def test_select_frames_slow_source_keeps_native_rate_and_caps_length():
 
 def test_select_frames_short_clips():
     assert select_frames(1, 30.0)[0] == [0]
-    assert select_frames(4, 24.0)[0] == [0]
-    assert select_frames(5, 24.0)[0] == [0, 1, 2, 3, 4]
+    assert select_frames(5, 24.0)[0] == [0]
+    assert select_frames(8, 24.0)[0] == [0]
+    assert select_frames(9, 24.0)[0] == list(range(9))
+    assert select_frames(14, 12.0) == (list(range(9)), None)
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -142,10 +163,34 @@ def test_check_request_names_bad_values():
             P.check_request(P.SRParams(**kwargs))
 
 
-def test_default_output_name():
-    assert P.default_output_name("clip", P.SRParams(sr_resolution_scale=2.0, seed=7)) == "clip_srx2_seed7.mp4"
-    assert P.default_output_name("clip", P.SRParams()) == "clip_srx2.25_seed42.mp4"
-    assert P.default_output_name("clip", P.SRParams(sr_resolution_scale=4)) == "clip_srx4_seed42.mp4"
+def test_default_output_name_is_stem_scale_and_local_time():
+    at = datetime.datetime(2025, 1, 2, 3, 4, 5)
+    assert (
+        P.default_output_name("clip", P.SRParams(sr_resolution_scale=2.0, seed=7), at)
+        == "clip_sr2x_20250102-030405.mp4"
+    )
+    assert P.default_output_name("clip", P.SRParams(), at) == "clip_sr2.25x_20250102-030405.mp4"
+    assert P.default_output_name("clip", P.SRParams(sr_resolution_scale=4), at) == "clip_sr4x_20250102-030405.mp4"
+    assert P.default_output_name("my  summer clip", P.SRParams(sr_resolution_scale=2), at) == (
+        "my__summer_clip_sr2x_20250102-030405.mp4"
+    )
+    before = datetime.datetime.now().replace(microsecond=0)
+    name = P.default_output_name("clip", P.SRParams(sr_resolution_scale=2))
+    after = datetime.datetime.now()
+    stamp = datetime.datetime.strptime(name.removeprefix("clip_sr2x_").removesuffix(".mp4"), "%Y%m%d-%H%M%S")
+    assert before <= stamp <= after
+
+
+def test_claim_output_path_never_takes_an_existing_file(tmp_path):
+    from tilecast.runtime.models.k6sr.pipeline import claim_output_path
+
+    (tmp_path / "clip.mp4").write_bytes(b"earlier output")
+    first = claim_output_path(tmp_path, "clip.mp4")
+    second = claim_output_path(tmp_path, "clip.mp4")
+    assert (first.name, second.name) == ("clip-2.mp4", "clip-3.mp4")
+    assert (tmp_path / "clip.mp4").read_bytes() == b"earlier output"
+    assert first.is_file() and first.stat().st_size == 0  # reserved at once, for the writer to fill
+    assert claim_output_path(tmp_path, "other.mp4") == tmp_path / "other.mp4"
 
 
 # ----------------------------------------------------------------------------- attention processor

@@ -8,6 +8,7 @@ client sends uploads as extra frames). Checks that need the model or the file li
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 
@@ -49,7 +50,8 @@ class SRParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Noise seed; tile chunk starting at tile ``t`` uses ``seed + t``."""
     output_file_name: str | None = None
     """Output file name: 1-128 letters, digits, ``._-`` (``SAFE_FILE_NAME``, checked at submit);
-    default ``{stem}_srx{scale}_seed{seed}.mp4``."""
+    default ``<stem>_sr<scale>x_<YYYYMMDD-HHMMSS>.mp4`` (``default_output_name``). An existing file
+    is never overwritten: a taken name gets ``-2``, ``-3``, ... before ``.mp4`` (``claim_output_path``)."""
     return_frames: bool = False
     """Also return the output frames as a uint8 ``frames`` tensor (F, H, W, 3)."""
 
@@ -133,6 +135,11 @@ def format_scale(scale: float) -> str:
     return f"{scale:g}"
 
 
-def default_output_name(stem: str, params: SRParams) -> str:
-    """``{stem}_srx{scale}_seed{seed}.mp4``."""
-    return f"{stem}_srx{format_scale(params.sr_resolution_scale)}_seed{params.seed}.mp4"
+def default_output_name(stem: str, params: SRParams, now: datetime.datetime | None = None) -> str:
+    """The reference's name: ``<stem>_sr<scale>x_<YYYYMMDD-HHMMSS>.mp4``, the time local and ``now``
+    by default, every space of ``stem`` an underscore (``my clip``, x2 -> ``my_clip_sr2x_20250102-030405.mp4``).
+
+    Two jobs in the same second share it: serving writes each job into its own folder, and
+    ``claim_output_path`` never lets a flat ``tilecast generate`` directory lose a file to it."""
+    when = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"{stem.replace(' ', '_')}_sr{format_scale(params.sr_resolution_scale)}x_{when}.mp4"

@@ -82,6 +82,30 @@ def settings_of(params: SRParams) -> SRSettings:
     )
 
 
+def claim_output_path(directory: Path, name: str) -> Path:
+    """A path for ``name`` in ``directory`` that no existing file holds, created empty at once
+    (``O_EXCL``) so that a concurrent writer cannot take it too: ``name`` itself if free, else
+    ``<stem>-2<suffix>``, ``<stem>-3<suffix>``, ... (a warning names the change).
+
+    Serving writes each job into its own folder, where the name is always free. ``tilecast
+    generate`` writes into the named output directory itself (``RankContext.flat_output``), where
+    two runs in the same second share a default name and a rerun repeats an explicit
+    ``output_file_name``: the later file gets the next free suffix instead of overwriting the
+    earlier one, and ``generate`` prints the path it really saved."""
+    stem, suffix = Path(name).stem, Path(name).suffix
+    path, number = directory / name, 1
+    while True:
+        try:
+            path.open("xb").close()
+            break
+        except FileExistsError:
+            number += 1
+            path = directory / f"{stem}-{number}{suffix}"
+    if number > 1:
+        logger.warning("%s already exists in %s; writing %s instead", name, directory, path.name)
+    return path
+
+
 def resize_video(video_BCFHW: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """Antialiased bilinear downscale of every frame to ``width`` x ``height``."""
     if tuple(video_BCFHW.shape[-2:]) == (height, width):
@@ -293,9 +317,13 @@ class K6SRPipeline(Pipeline):
             output.tensors["frames"] = frames_FHWC
         if ctx.is_output_rank:
             name = params.output_file_name or default_output_name(stem, params)
-            path = ctx.job_dir(item.job_id) / name
-            video_io.write_mp4(path, frames_FHWC, clip.fps, clip.audio_S)
-            output.files.append(OutputFile(name=name, path=path, mime="video/mp4"))
+            path = claim_output_path(ctx.job_dir(item.job_id), name)
+            try:
+                video_io.write_mp4(path, frames_FHWC, clip.fps, clip.audio_S)
+            except BaseException:
+                path.unlink(missing_ok=True)  # no empty or half-written file under the claimed name
+                raise
+            output.files.append(OutputFile(name=path.name, path=path, mime="video/mp4"))
         timings["output"] = time.perf_counter() - started
         output.info["timings"] = {key: round(value, 4) for key, value in timings.items()}
         logger.info(

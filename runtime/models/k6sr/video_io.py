@@ -1,13 +1,14 @@
 """Video and audio in and out of the SR pipeline, through PyAV.
 
-Input rules (the SR model was trained on 24 fps clips of at most 121 frames):
+Input rules (the reference deployment's, ``kandinsky6-sr.md`` section 6 "Limits"):
 
-- **Frame rate.** A source within ``FPS_TOLERANCE`` (1 fps) of 24 — 23.976, 24, 25 — keeps every
-  frame and its own rate. A faster source is subsampled to 24 fps: output frame ``k`` is the
+- **Frame rate.** A source near 24 fps (``|fps - 24| < NEAR_TARGET_FPS``, i.e. 1.5) keeps every
+  frame and is written at ``round(fps)`` (Python's, half to even): 23.976 -> 24, 25 -> 25,
+  22.6 -> 23, 24.5 -> 24. A faster source is subsampled to 24 fps: output frame ``k`` is the
   source frame closest to the timestamp ``k / 24`` s. A slower source keeps every frame and its
   native rate (frames are never duplicated).
-- **Length.** At most ``MAX_FRAMES`` (121) frames, then trimmed down to ``1 + 4k`` (the K-VAE's
-  causal temporal grid).
+- **Length.** The selected frames are floored to ``1 + 8k`` (``FRAME_STEP``): 121, 113, ..., 9, 1;
+  at most ``MAX_FRAMES`` (121).
 - **Audio.** The first audio stream is decoded, resampled to mono 44.1 kHz float and trimmed to
   the processed duration (frames / output fps), padded with silence if the source audio ends
   early. A source without audio gives an output *without an audio stream* ("silent output").
@@ -36,12 +37,12 @@ logger = logging.getLogger(__name__)
 
 TARGET_FPS = 24
 """Frame rate the model was trained on; faster sources are subsampled to it."""
-FPS_TOLERANCE = 1.0
-"""Sources within this many fps of ``TARGET_FPS`` keep all their frames and their own rate."""
+NEAR_TARGET_FPS = 1.5
+"""Sources closer than this (strictly) to ``TARGET_FPS`` keep all their frames, written at ``round(fps)``."""
 MAX_FRAMES = 121
-"""Most frames processed per request."""
-TEMPORAL_FACTOR = 4
-"""K-VAE temporal compression: frame counts are ``1 + TEMPORAL_FACTOR * k``."""
+"""Most frames processed per request (``1 + 8 * 15``)."""
+FRAME_STEP = 8
+"""The reference's frame grid: the selected frames are floored to ``1 + FRAME_STEP * k``."""
 AUDIO_RATE = 44100
 """Output audio sample rate (mono)."""
 
@@ -68,9 +69,9 @@ class SourceClip:
     """The frames and audio the pipeline processes, after the input rules above."""
 
     frames_FHWC: torch.Tensor
-    """uint8 RGB frames, ``1 + 4k`` of them."""
+    """uint8 RGB frames, ``1 + 8k`` of them (at most 121)."""
     fps: Fraction
-    """Output frame rate (24, or the source's own rate)."""
+    """Output frame rate: 24 (subsampled), ``round(source fps)`` near 24, or a slower source's own rate."""
     audio_S: np.ndarray | None
     """Mono float32 samples at 44.1 kHz covering ``num_frames / fps`` seconds; None without audio."""
     source_fps: float
@@ -148,17 +149,30 @@ def probe_video(source: VideoSource) -> VideoProbe:
         raise ValueError(f"{name} is not a readable video (not a video file, or truncated/corrupt): {exc}") from exc
 
 
+def floor_frame_count(num_frames: int) -> int:
+    """The most frames of the reference's grid that ``num_frames`` can give: ``1 + 8k``, at most 121."""
+    if num_frames < 1:
+        raise ValueError(f"need at least one frame, got {num_frames}")
+    num_frames = min(num_frames, MAX_FRAMES)
+    return 1 + FRAME_STEP * ((num_frames - 1) // FRAME_STEP)
+
+
 def select_frames(num_source_frames: int, source_fps: float) -> tuple[list[int], Fraction | None]:
     """Pick which source frames to keep; return ``(indices, output_fps)``.
 
-    ``output_fps`` is ``Fraction(24)`` when the source was subsampled and ``None`` when the
-    source keeps its own rate. See the module docstring for the rules.
+    ``output_fps`` is ``Fraction(24)`` when the source was subsampled, ``Fraction(round(fps))`` when
+    it is near 24, and ``None`` when a slower source keeps its own rate (the stream's exact rate,
+    which only the container knows). See the module docstring for the rules.
     """
     if num_source_frames < 1:
         raise ValueError(f"the video has no frames (num_source_frames={num_source_frames})")
     if source_fps <= 0:
         raise ValueError(f"source_fps must be positive, got {source_fps}")
-    if source_fps > TARGET_FPS + FPS_TOLERANCE:
+    output_fps: Fraction | None
+    if abs(source_fps - TARGET_FPS) < NEAR_TARGET_FPS:
+        indices = list(range(min(num_source_frames, MAX_FRAMES)))
+        output_fps = Fraction(round(source_fps))
+    elif source_fps > TARGET_FPS:
         step = source_fps / TARGET_FPS
         indices = []
         for k in range(MAX_FRAMES):
@@ -166,12 +180,11 @@ def select_frames(num_source_frames: int, source_fps: float) -> tuple[list[int],
             if index >= num_source_frames:
                 break
             indices.append(index)
-        output_fps: Fraction | None = Fraction(TARGET_FPS)
+        output_fps = Fraction(TARGET_FPS)
     else:
         indices = list(range(min(num_source_frames, MAX_FRAMES)))
         output_fps = None
-    keep = 1 + TEMPORAL_FACTOR * ((len(indices) - 1) // TEMPORAL_FACTOR)
-    return indices[:keep], output_fps
+    return indices[: floor_frame_count(len(indices))], output_fps
 
 
 def _decode_audio(container, duration_s: float) -> np.ndarray | None:
