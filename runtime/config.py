@@ -176,6 +176,12 @@ class ServeConfig:
         (), section="security", flag="--allowed-video-dir", metavar="DIR", pipeline=True
     )
     """Directories whose files a request's ``video_path`` may name (the flag repeats)."""
+    lora_paths: tuple[str, ...] = setting((), section="model", flag="--lora-path", metavar="[NAME=]PATH", pipeline=True)
+    """LoRA adapters to load at start (diffusers' ``load_lora_weights`` format, ``.safetensors``;
+    the flag repeats; NAME defaults to the file's stem). The first is active and merged, as after
+    SGLang's ``set_lora``."""
+    lora_dirs: tuple[Path, ...] = setting((), section="security", flag="--lora-dir", metavar="DIR", pipeline=True)
+    """Directories whose ``.safetensors`` files ``set_lora`` may load while serving (the flag repeats)."""
     # -- outputs (serve only)
     output_dir: Path = setting(Path("outputs"), section="outputs", metavar="DIR")
     """Where the output rank writes result files."""
@@ -192,6 +198,16 @@ class ServeConfig:
         check_declared(self)
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError(f"--cuda-graphs needs --device cuda, got --device {self.device}")
+        if self.lora_paths or self.lora_dirs:
+            from tilecast.scheduler.lora import LoraRegistry
+
+            try:
+                LoraRegistry.from_settings(self.lora_paths, self.lora_dirs)
+            except ValueError as exc:
+                raise ValueError(f"--lora-path: {exc}") from None
+            missing = [str(d) for d in self.lora_dirs if not Path(d).is_dir()]
+            if missing:
+                raise ValueError(f"--lora-dir {missing[0]!r} is not a directory")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
         exposed = [

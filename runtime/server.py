@@ -33,6 +33,7 @@ from tilecast.runtime.watchdog import HeartbeatSender, Watchdog
 from tilecast.runtime.worker import compute_loop, queue_source
 from tilecast.scheduler.auth import ServerAuth
 from tilecast.scheduler.io_thread import SocketThread
+from tilecast.scheduler.lora import LoraRegistry
 from tilecast.scheduler.outputs import OutputStore
 from tilecast.scheduler.ready import ReadyInfo, connectable, remove_ready_file, write_ready_file
 from tilecast.scheduler.scheduler import DEAD, Scheduler
@@ -81,6 +82,7 @@ class RankZero:
             groups=groups,
             dispatch=self.hub.send_plan if self.hub else None,
             cancel_plan=self.hub.cancel if self.hub else None,
+            lora=LoraRegistry.from_settings(config.lora_paths, config.lora_dirs),
         )
         self.sockets = SocketThread(
             config.endpoint,

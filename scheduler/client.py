@@ -373,6 +373,26 @@ class Client(_Base):
         msg, _ = self._call(lambda rid: P.encode(P.StatsRequest(req_id=rid)), self.timeout)
         return _check(msg).stats
 
+    def set_lora(self, nickname: str, path: str | None = None, strength: float | None = None) -> dict:
+        """Load (with ``path``, a server-side file under ``--lora-dir``) and activate an adapter,
+        merged; returns ``list_loras()``. Requests without ``lora`` use it from then on."""
+        return self._lora("set", nickname=nickname, path=path, strength=strength)
+
+    def merge_lora_weights(self, strength: float | None = None) -> dict:
+        return self._lora("merge", strength=strength)
+
+    def unmerge_lora_weights(self) -> dict:
+        """Requests without ``lora`` run on the base model again."""
+        return self._lora("unmerge")
+
+    def list_loras(self) -> dict:
+        """``{"loaded_adapters": [{nickname, path}], "active": {"transformer": [{nickname, path, merged, strength}]}}``."""
+        return self._lora("list")
+
+    def _lora(self, op: str, **fields) -> dict:
+        msg, _ = self._call(lambda rid: P.encode(P.LoraRequest(req_id=rid, op=op, **fields)), self.timeout)
+        return _check(msg).loras
+
     def shutdown(self) -> P.HealthReply:
         """Ask the server to stop (needs the API key, or a connection from the server's machine)."""
         msg, _ = self._call(lambda rid: P.encode(P.ShutdownRequest(req_id=rid)), self.timeout)
@@ -502,6 +522,11 @@ class AsyncClient(_Base):
     async def stats(self) -> dict:
         msg, _ = await self._call(lambda rid: P.encode(P.StatsRequest(req_id=rid)), self.timeout)
         return _check(msg).stats
+
+    async def lora(self, op: str, **fields) -> dict:
+        """``Client.set_lora`` and friends as one coroutine: ``op`` is ``set``, ``merge``, ``unmerge`` or ``list``."""
+        msg, _ = await self._call(lambda rid: P.encode(P.LoraRequest(req_id=rid, op=op, **fields)), self.timeout)
+        return _check(msg).loras
 
     async def shutdown(self) -> P.HealthReply:
         msg, _ = await self._call(lambda rid: P.encode(P.ShutdownRequest(req_id=rid)), self.timeout)

@@ -379,6 +379,10 @@ class HttpApi:
             Route("/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/model_info", self.model_info, methods=["GET"]),
+            Route("/v1/set_lora", self.set_lora, methods=["POST"]),
+            Route("/v1/merge_lora_weights", self.merge_lora, methods=["POST"]),
+            Route("/v1/unmerge_lora_weights", self.unmerge_lora, methods=["POST"]),
+            Route("/v1/list_loras", self.list_loras, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/health_generate", self.health_generate, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -932,6 +936,47 @@ class HttpApi:
         return JSONResponse(
             card | {"model_path": card["id"], "layout": dict(model.layout), "precision": model.precision}
         )
+
+    # ------------------------------------------------------------------ LoRA (SGLang's routes)
+    async def _lora_body(self, request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        chunked = "chunked" in request.headers.get("transfer-encoding", "")
+        body = await self._read_json(request) if chunked or (length is not None and length != "0") else {}
+        target = body.pop("target", "all")
+        if target not in ("all", "transformer"):
+            raise ApiError(
+                400, f"target {target!r} cannot be honoured: tilecast applies adapters to the transformer",
+                param="target", code="invalid_value",
+            )  # fmt: skip
+        unknown = sorted(set(body) - set(allowed))
+        if unknown:
+            raise ApiError(400, f"unknown field {unknown[0]!r}", param=unknown[0], code="unknown_field")
+        return body
+
+    async def _lora(self, op: str, **fields) -> Response:
+        try:
+            listing = await self.client.lora(op, **fields)
+        except ServerError as exc:
+            raise _from_client_error(exc) from None
+        return JSONResponse({"status": "ok", **listing})
+
+    async def set_lora(self, request: Request) -> Response:
+        body = await self._lora_body(request, ("lora_nickname", "lora_path", "strength"))
+        nickname = body.get("lora_nickname")
+        if not isinstance(nickname, str):
+            raise ApiError(400, "lora_nickname must be a string", param="lora_nickname", code="invalid_value")
+        return await self._lora("set", nickname=nickname, path=body.get("lora_path"), strength=body.get("strength"))
+
+    async def merge_lora(self, request: Request) -> Response:
+        body = await self._lora_body(request, ("strength",))
+        return await self._lora("merge", strength=body.get("strength"))
+
+    async def unmerge_lora(self, request: Request) -> Response:
+        await self._lora_body(request, ())
+        return await self._lora("unmerge")
+
+    async def list_loras(self, _request: Request) -> Response:
+        return await self._lora("list")
 
     async def health(self, _request: Request) -> Response:
         try:

@@ -76,6 +76,17 @@ class ShutdownRequest(_Msg):
     req_id: int
 
 
+class LoraRequest(_Msg):
+    """LoRA adapters (``scheduler/lora.py``): ``op`` is ``set``, ``merge``, ``unmerge`` or ``list``."""
+
+    req_id: int
+    op: str
+    nickname: str | None = None
+    path: str | None = None
+    """A server-side ``.safetensors`` file under ``--lora-dir`` (``set`` only)."""
+    strength: float | None = None
+
+
 # ---------------------------------------------------------------------------------------------
 # Server -> client
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +143,12 @@ class HealthReply(_Msg):
 class StatsReply(_Msg):
     req_id: int
     stats: dict[str, Any]
+
+
+class LoraReply(_Msg):
+    req_id: int
+    loras: dict[str, Any]
+    """``LoraRegistry.listing()`` after the operation."""
 
 
 class ErrorReply(_Msg):
@@ -210,12 +227,14 @@ REQUEST_TYPES: dict[bytes, type[msgspec.Struct]] = {
     b"H": HealthRequest,
     b"T": StatsRequest,
     b"X": ShutdownRequest,
+    b"L": LoraRequest,
 }
 REPLY_TYPES: dict[bytes, type[msgspec.Struct]] = {
     b"j": JobInfo,
     b"r": ResultReply,
     b"h": HealthReply,
     b"t": StatsReply,
+    b"l": LoraReply,
     b"e": ErrorReply,
 }
 REPLICA_TYPES: dict[bytes, type[msgspec.Struct]] = {

@@ -29,6 +29,7 @@ from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import Batcher, BatchingConfig, Dispatch, QueuedRequest
 from tilecast.scheduler.batching_metrics import BatchMetrics
 from tilecast.scheduler.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobTable, Waiter
+from tilecast.scheduler.lora import LoraRegistry
 from tilecast.scheduler.outputs import OutputStore
 from tilecast.scheduler.uploads import materialize, release
 
@@ -108,9 +109,14 @@ class Scheduler(threading.Thread):
         groups: tuple[tuple[int, ...], ...] | None = None,
         dispatch=None,
         cancel_plan=None,
+        lora: LoraRegistry | None = None,
     ) -> None:
         super().__init__(name="tilecast-scheduler", daemon=True)
         self.pipeline = pipeline
+        self.lora = (
+            lora if lora is not None and "lora" in getattr(pipeline.params_type, "__struct_fields__", ()) else None
+        )
+        """The LoRA adapters (``scheduler/lora.py``); None for a pipeline without LoRA fields."""
         self.send = send
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.work: "queue.Queue[P.Plan | None]" = queue.Queue(maxsize=1)
@@ -209,6 +215,7 @@ class Scheduler(threading.Thread):
             P.DeleteRequest: self._on_delete,
             P.HealthRequest: self._on_health,
             P.StatsRequest: self._on_stats,
+            P.LoraRequest: self._on_lora,
             P.ShutdownRequest: self._on_shutdown,
         }[type(msg)]
         handler(identity, msg, payloads)
@@ -248,8 +255,9 @@ class Scheduler(threading.Thread):
             allowed = ", ".join(pipe.upload_fields) or "none"
             raise ValueError(f"unexpected upload {unknown[0]!r} (this model accepts uploads: {allowed})")
         uploads = {name: bytes(data) for name, data in zip(msg.uploads, payloads)}
+        fields = self.lora.resolve(dict(msg.params)) if self.lora is not None else msg.params
         try:
-            params = msgspec.convert(msg.params, pipe.params_type)
+            params = msgspec.convert(fields, pipe.params_type)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid request: {exc}") from exc
         params = pipe.prepare(params, uploads)  # may pin a server-side file into ``uploads``
@@ -387,6 +395,27 @@ class Scheduler(threading.Thread):
                 **self.metrics.snapshot(),
             },
         }
+
+    def _on_lora(self, identity, msg: P.LoraRequest, _payloads: list) -> None:
+        if self.lora is None:
+            return self._error(
+                identity, msg.req_id, "bad_request", f"{self.pipeline.model_name} takes no LoRA adapters"
+            )
+        operations = {
+            "set": lambda: self.lora.set(msg.nickname, msg.path, msg.strength),
+            "merge": lambda: self.lora.merge(msg.strength),
+            "unmerge": self.lora.unmerge,
+            "list": lambda: None,
+        }
+        if msg.op not in operations:
+            return self._error(identity, msg.req_id, "bad_request", f"unknown LoRA operation {msg.op!r}")
+        try:
+            operations[msg.op]()
+        except ValueError as exc:
+            return self._error(identity, msg.req_id, "bad_request", str(exc))
+        if msg.op != "list":
+            logger.info("LoRA %s: %s", msg.op, self.lora.listing()["active"])
+        self._reply(identity, P.LoraReply(req_id=msg.req_id, loras=self.lora.listing()))
 
     def _on_stats(self, identity, msg: P.StatsRequest, _payloads: list) -> None:
         self._reply(identity, P.StatsReply(req_id=msg.req_id, stats=self.stats()))

@@ -190,6 +190,11 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
         "flow_shift",
         "true_cfg_scale",
         "enable_teacache",
+        # the LoRA adapter a request runs with (written by the scheduler's registry)
+        "lora",
+        "lora_scale",
+        "lora_path",
+        "lora_merged",
     }
     for change in (
         {"num_inference_steps": 3},

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,8 @@ PIPELINES = {
     "tiny/z-image-turbo": ZImageT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
 }
+_LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
+(_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)
 SAMPLES = {  # a valid value other than the default, and the flags it needs besides its own
     "dtype": ({"dtype": "bfloat16"}, "--dtype bfloat16"),
     "tp_size": ({"tp_size": 2, "num_gpus": 2}, "--tp-size 2"),
@@ -62,6 +65,11 @@ SAMPLES = {  # a valid value other than the default, and the flags it needs besi
     "quantize": ({"quantize": "fp8"}, "--quantize fp8"),
     "cuda_graphs": ({"cuda_graphs": True, "device": "cuda"}, "--cuda-graphs"),
     "allowed_video_dirs": ({"allowed_video_dirs": ("/data",)}, "--allowed-video-dir /data"),
+    "lora_paths": (
+        {"lora_paths": (str(_LORA_DIR / "style.safetensors"),)},
+        f"--lora-path {_LORA_DIR / 'style.safetensors'}",
+    ),
+    "lora_dirs": ({"lora_dirs": (_LORA_DIR,)}, f"--lora-dir {_LORA_DIR}"),
 }
 
 

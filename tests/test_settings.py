@@ -38,7 +38,11 @@ def captured(monkeypatch):
 
 def _sample(item, tmp_path: Path):
     """A valid value other than the default, from the declaration (a few need a real file)."""
+    adapter = tmp_path / "style.safetensors"
+    adapter.touch()  # the settings check the file exists; loading it is tests/test_lora.py's
     special = {
+        "lora_paths": (str(adapter),),
+        "lora_dirs": (tmp_path,),
         "batching_config": tmp_path / "rules.json",
         "layerwise_offload_components": "vae",
         "cpu_offload_components": "vae",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import logging
 import os
@@ -35,7 +36,7 @@ import msgspec
 import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
-from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS, install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
@@ -80,6 +81,15 @@ class SGLangFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """JPEG/WebP encoder quality 1..100 (SGLang's name)."""
     output_compression: int | None = None
     """JPEG/WebP compression 0..100 (OpenAI's name; quality = 100 - compression)."""
+    lora: str | None = None
+    """A loaded LoRA adapter's nickname for this request, ``"none"`` for the base model; unset: the
+    server's active adapter while it is merged (``scheduler/lora.py``)."""
+    lora_scale: float | None = None
+    """The adapter's strength for this request (default 1.0)."""
+    lora_path: str | None = None
+    """Written by the server: the adapter's file."""
+    lora_merged: bool = False
+    """Written by the server: run with the adapter merged into the weights (the active one)."""
 
 
 # ------------------------------------------------------------------------------------ params
@@ -278,7 +288,7 @@ class DiffusersBatchPipeline(Pipeline):
     true_cfg_is_guidance: ClassVar[bool] = False
     """``guidance_scale`` is diffusers' ``true_cfg_scale`` (Qwen-Image): ``true_cfg_scale`` is its alias."""
     max_batch_size: ClassVar[int] = 16
-    honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype", "compile"})
+    honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype", "compile", "lora_paths", "lora_dirs"})
     """The ``ServeConfig`` fields these families read (``Pipeline.honoured_settings``); any other
     pipeline setting set away from its default stops ``load`` with an error naming its flag. A
     family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
@@ -306,6 +316,10 @@ class DiffusersBatchPipeline(Pipeline):
         self.pipe = pipe
         self.device = ctx.device
         self.dtype = pipe.transformer.dtype
+        self.lora_loaded: dict[str, str] = {}
+        """LoRA adapters loaded into ``pipe``: nickname -> file."""
+        self.lora_fused: tuple[str, float] | None = None
+        """The adapter (and strength) merged into the weights now, if any."""
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -342,7 +356,15 @@ class DiffusersBatchPipeline(Pipeline):
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
         cls.check_settings(ctx.settings, model_path)  # on every rank, before any weight is read
+        if (ctx.settings.lora_paths or ctx.settings.lora_dirs) and importlib.util.find_spec("peft") is None:
+            raise UnsupportedSettingError(
+                "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
+            )
         pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
+        if (ctx.settings.lora_paths or ctx.settings.lora_dirs) and not hasattr(pipe, "load_lora_weights"):
+            raise UnsupportedSettingError(
+                f"--lora-path / --lora-dir: diffusers' {cls.diffusers_class} loads no LoRA adapters"
+            )
         cls.install_fast_paths(pipe, ctx.settings)
         install_for_family(pipe, cls, ctx)  # Ulysses / Ring over the transformer's tokens, when asked for
         return cls(pipe, ctx)
@@ -493,6 +515,7 @@ class DiffusersBatchPipeline(Pipeline):
             return callback_kwargs
 
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
+        self.use_lora(first)
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
@@ -500,6 +523,33 @@ class DiffusersBatchPipeline(Pipeline):
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
         """One denoising step at the request defaults' size."""
         return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+
+    def use_lora(self, params) -> None:
+        """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/
+        ``lora_merged``, written by the scheduler): load the adapter once, activate it at its scale,
+        merge or unmerge it, or run the base model. Every rank does this before the same batch."""
+        want = (
+            None if params.lora is None else (params.lora, params.lora_scale if params.lora_scale is not None else 1.0)
+        )
+        if self.lora_fused is not None and (want is None or not params.lora_merged or self.lora_fused != want):
+            self.pipe.unfuse_lora()
+            self.lora_fused = None
+        if want is None:
+            if self.lora_loaded:
+                self.pipe.disable_lora()
+            return
+        name, scale = want
+        if self.lora_loaded.get(name) != params.lora_path:
+            if name in self.lora_loaded:
+                self.pipe.delete_adapters(name)
+            self.pipe.load_lora_weights(params.lora_path, adapter_name=name)
+            self.lora_loaded[name] = params.lora_path
+            logger.info("loaded LoRA adapter %s from %s", name, params.lora_path)
+        self.pipe.enable_lora()
+        self.pipe.set_adapters([name], [scale])
+        if params.lora_merged and self.lora_fused is None:
+            self.pipe.fuse_lora(adapter_names=[name], lora_scale=1.0)
+            self.lora_fused = want
 
     @contextlib.contextmanager
     def flow_shift(self, params):

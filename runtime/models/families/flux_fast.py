@@ -137,9 +137,10 @@ def quantize_blocks(transformer: torch.nn.Module) -> int:
 
 
 def install_fast_paths(
-    transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None
+    transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None, fuse: bool = True
 ) -> None:
-    """Dense attention processors, fused projections and, with ``quantize``, FP8 blocks; see the module doc.
+    """Dense attention processors, fused projections (unless ``fuse`` is false: LoRA adapters
+    target the separate q/k/v layers) and, with ``quantize``, FP8 blocks; see the module doc.
 
     An unknown ``backend`` or ``quantize``, or one that cannot run on the model's device and dtype,
     raises here, at load, naming the problem (``ValueError`` / ``BackendUnavailableError``).
@@ -156,11 +157,13 @@ def install_fast_paths(
             layers += 1
     if layers == 0:
         raise ValueError(f"{type(transformer).__name__} has no FluxAttention layers")
-    fuse_projections(transformer)
+    if fuse:
+        fuse_projections(transformer)
     quantized = quantize_blocks(transformer) if quantize == "fp8" else 0
     logger.info(
-        "FLUX fast paths: attention backend %s on %d layers, fused projections%s",
+        "FLUX fast paths: attention backend %s on %d layers, %s projections%s",
         backend or "auto",
         layers,
+        "fused" if fuse else "separate (LoRA)",
         f", {quantized} FP8 linear layers" if quantized else "",
     )
