@@ -109,10 +109,28 @@ class RankContext:
             raise PlanCancelled("every job of this batch was cancelled")
 
 
+def uncompiled_modules(module) -> list:
+    """``module`` and its submodules, except a ``Module.compile()``-d one and everything inside it."""
+    compiled: list[str] = []
+    kept = []
+    for name, sub in module.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in compiled):
+            continue
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            compiled.append(name)
+            continue
+        kept.append(sub)
+    return kept
+
+
 @contextlib.contextmanager
 def alive_during(module, alive: Callable[[], None] | None) -> Iterator[None]:
     """Call ``alive()`` before every forward of ``module`` and its submodules while inside
-    (``None``: hook nothing). A Python call per module call: microseconds against a convolution."""
+    (``None``: hook nothing). A Python call per module call: microseconds against a convolution.
+
+    Compiled submodules (``--compile`` compiles FLUX's VAE decoder) are left alone: a hook added
+    inside a compiled region changes what its graph was guarded on, so every call recompiled it
+    (seconds per batch on the H200), and a hook traced into it would break the graph."""
     if alive is None or module is None:
         yield
         return
@@ -120,7 +138,7 @@ def alive_during(module, alive: Callable[[], None] | None) -> Iterator[None]:
     def hook(_module, _args) -> None:
         alive()
 
-    handles = [sub.register_forward_pre_hook(hook) for sub in module.modules()]
+    handles = [sub.register_forward_pre_hook(hook) for sub in uncompiled_modules(module)]
     try:
         yield
     finally:

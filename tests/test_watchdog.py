@@ -237,3 +237,32 @@ def test_a_sigstopped_rank_is_declared_dead_while_its_peer_beats(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
         server.stop()
+
+
+def test_heartbeat_hooks_leave_compiled_modules_alone():
+    """alive_during beats per module call, but not inside a Module.compile()-d submodule: a hook
+    added there changed what the graph was guarded on, so every call recompiled it (FLUX's
+    compiled VAE decoder: seconds per served batch on the H200)."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    from tilecast.runtime.pipeline import alive_during
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), Block())
+    compiles = CompileCounter()
+    net[1].compile(backend=compiles)
+    beats = []
+    for _ in range(3):
+        with alive_during(net, lambda: beats.append(1)):
+            net(torch.randn(2, 4))
+    assert compiles.frame_count == 1  # compiled once, not once per call
+    assert len(beats) == 3 * 2  # the Sequential and its first Linear beat on every call
+    assert not any(m._forward_pre_hooks for m in net.modules())  # nothing left behind
