@@ -2,8 +2,8 @@
 
 ``validate_topology`` refuses only on the one rule set's errors (``Topology.check``: the layout
 with ``--dp-degree``, the model's DiT, the attention kernels, FSDP); what ``serve``'s replica
-groups cannot honour (``replicas.replica_errors``) is refused by every rank at start-up, before the
-model loads (``start_rank``). The deployment guide's recipe rules
+groups cannot honour (``replicas.ServingShape.errors``) is refused by every rank at start-up,
+before the model loads (``start_rank``). The deployment guide's recipe rules
 (``runtime/picker.py``) are printed as warnings on rank 0 and never refuse. Under torchrun the
 world size is ``--num-gpus`` on all nodes together (``launcher/cli.py`` checks it against
 ``WORLD_SIZE``); only this node's ranks (``LOCAL_WORLD_SIZE``) need a CUDA device here.

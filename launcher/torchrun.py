@@ -42,13 +42,17 @@ _DIE_WITH_LAUNCHER = (
 parent-death signal set (no ``preexec_fn``: the launcher already has threads, numpy's BLAS pool)."""
 
 
-def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+STANDALONE = ("--standalone", "--nnodes", "1")
+"""torchrun's rendezvous for this launcher: one node hosting its own store (see the module doc)."""
+
+
+def torchrun_command(nproc: int, args: list[str], *, rendezvous: tuple[str, ...] = STANDALONE) -> list[str]:
+    """``python`` arguments that run ``tilecast <args>`` on ``nproc`` ranks of this node through torchrun,
+    which joins the other nodes (if any) through ``rendezvous``; a failed rank is never restarted."""
     return [
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
+        *rendezvous,
         "--nproc-per-node",
         str(nproc),
         "--local-addr",
@@ -66,6 +70,18 @@ def with_parent_death_signal(argv: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return [sys.executable, *argv]
     return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> bool:
+    """SIGTERM ``proc`` if it still runs and wait up to ``timeout`` seconds for it to exit; False if it
+    is still running then (the caller decides how to kill it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+    return True
 
 
 def _alive_tilecast(pid: int) -> bool:

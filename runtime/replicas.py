@@ -59,76 +59,76 @@ class ReplicaLayout:
         return f"{self.num_groups} replica group(s) of {size} rank{'s' if size > 1 else ''}: {groups}"
 
 
-def replica_errors(
-    *,
-    num_gpus: int,
-    tp_size: int = 1,
-    ulysses_degree: int = 1,
-    ring_degree: int = 1,
-    dp_degree: int | None = None,
-    tile_parallel: bool = False,
-    fsdp: bool = False,
-) -> list[str]:
-    """What serving in replica groups cannot honour (the layout rules themselves are ``Topology.check``'s)."""
-    errors: list[str] = []
-    if dp_degree is not None and dp_degree > 1 and tile_parallel:
-        errors.append(
-            f"--tile-parallel deals one request's tile chunks to the data-parallel units, but --dp-degree "
-            f"{dp_degree} makes each unit a replica group serving requests of its own: leave --dp-degree unset "
-            "(all ranks share each request) or drop --tile-parallel."
-        )
-    model_parallel = tp_size * ulysses_degree * ring_degree
-    if fsdp and model_parallel == 1 and num_gpus > 1 and not (tile_parallel and dp_degree is None):
-        errors.append(
-            f"--use-fsdp-inference true shards the DiT across the ranks of one replica group, but "
-            f"num_gpus={num_gpus} with TP x Ulysses x Ring = 1 makes {num_gpus} groups of 1 rank: give the "
-            "replica more ranks (--tp-size/--ulysses-degree/--ring-degree) or drop FSDP."
-        )
-    return errors
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServingShape:
+    """What a run's serving groups are cut from: the world size, the parallel degrees (as ``Topology``
+    names them) and the two settings that change the cut. ``errors`` is what serving in groups
+    cannot honour (the layout rules themselves are ``Topology.check``'s); ``layout`` the groups."""
 
+    num_gpus: int
+    tp_size: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    dp_degree: int | None = None
+    """``--dp-degree``; None: derived (see the module doc)."""
+    tile_parallel: bool = False
+    """``--tile-parallel``: derived data-parallel units share each request, in one group."""
+    fsdp: bool = False
+    """``--use-fsdp-inference``: the DiT is sharded across the ranks of one group."""
 
-def serving_layout(
-    *,
-    num_gpus: int,
-    tp_size: int = 1,
-    ulysses_degree: int = 1,
-    ring_degree: int = 1,
-    dp_degree: int | None = None,
-    tile_parallel: bool = False,
-    fsdp: bool = False,
-) -> ReplicaLayout:
-    """The serving groups for a valid topology (see the module doc); ``ValueError`` naming every
-    problem otherwise (``replica_errors``, and a layout the degrees do not fill)."""
-    errors = replica_errors(
-        num_gpus=num_gpus,
-        tp_size=tp_size,
-        ulysses_degree=ulysses_degree,
-        ring_degree=ring_degree,
-        dp_degree=dp_degree,
-        tile_parallel=tile_parallel,
-        fsdp=fsdp,
-    )
-    model_parallel = tp_size * ulysses_degree * ring_degree
-    if num_gpus % model_parallel or (dp_degree is not None and dp_degree * model_parallel != num_gpus):
-        errors.append(
-            f"num_gpus={num_gpus} is not DP {dp_degree or '(derived)'} x TP {tp_size} x Ulysses {ulysses_degree}"
-            f" x Ring {ring_degree}."
+    @classmethod
+    def of(cls, config, world_size: int) -> ServingShape:
+        """The shape of a ``ServeConfig`` on ``world_size`` ranks (``tilecast serve``'s)."""
+        return cls(
+            num_gpus=world_size,
+            **degrees_of(config),
+            tile_parallel=config.tile_parallel,
+            fsdp=bool(config.use_fsdp_inference),
         )
-    if errors:
-        raise ValueError(" ".join(errors))
-    num_groups = dp_degree if dp_degree is not None else (1 if tile_parallel else num_gpus // model_parallel)
-    size = num_gpus // num_groups
-    return ReplicaLayout(groups=tuple(tuple(range(g * size, (g + 1) * size)) for g in range(num_groups)))
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks holding one copy of the model: TP x Ulysses x Ring."""
+        return self.tp_size * self.ulysses_degree * self.ring_degree
+
+    def errors(self) -> list[str]:
+        """What serving in replica groups cannot honour (the layout rules themselves are ``Topology.check``'s)."""
+        errors: list[str] = []
+        if self.dp_degree is not None and self.dp_degree > 1 and self.tile_parallel:
+            errors.append(
+                f"--tile-parallel deals one request's tile chunks to the data-parallel units, but --dp-degree "
+                f"{self.dp_degree} makes each unit a replica group serving requests of its own: leave --dp-degree "
+                "unset (all ranks share each request) or drop --tile-parallel."
+            )
+        one_rank_groups = self.model_parallel == 1 and not (self.tile_parallel and self.dp_degree is None)
+        if self.fsdp and self.num_gpus > 1 and one_rank_groups:
+            errors.append(
+                f"--use-fsdp-inference true shards the DiT across the ranks of one replica group, but "
+                f"num_gpus={self.num_gpus} with TP x Ulysses x Ring = 1 makes {self.num_gpus} groups of 1 rank: "
+                "give the replica more ranks (--tp-size/--ulysses-degree/--ring-degree) or drop FSDP."
+            )
+        return errors
+
+    def layout(self) -> ReplicaLayout:
+        """The serving groups for a valid shape (see the module doc); ``ValueError`` naming every
+        problem otherwise (``errors``, and a layout the degrees do not fill)."""
+        errors = self.errors()
+        num_gpus, dp_degree, model_parallel = self.num_gpus, self.dp_degree, self.model_parallel
+        if num_gpus % model_parallel or (dp_degree is not None and dp_degree * model_parallel != num_gpus):
+            errors.append(
+                f"num_gpus={num_gpus} is not DP {dp_degree or '(derived)'} x TP {self.tp_size} x Ulysses "
+                f"{self.ulysses_degree} x Ring {self.ring_degree}."
+            )
+        if errors:
+            raise ValueError(" ".join(errors))
+        num_groups = dp_degree if dp_degree is not None else (1 if self.tile_parallel else num_gpus // model_parallel)
+        size = num_gpus // num_groups
+        return ReplicaLayout(groups=tuple(tuple(range(g * size, (g + 1) * size)) for g in range(num_groups)))
 
 
 def layout_of(config, world_size: int) -> ReplicaLayout:
-    """``serving_layout`` of a ``ServeConfig`` on ``world_size`` ranks (``tilecast serve``'s groups)."""
-    return serving_layout(
-        num_gpus=world_size,
-        **degrees_of(config),
-        tile_parallel=config.tile_parallel,
-        fsdp=bool(config.use_fsdp_inference),
-    )
+    """The serving groups of a ``ServeConfig`` on ``world_size`` ranks (``tilecast serve``'s groups)."""
+    return ServingShape.of(config, world_size).layout()
 
 
 @dataclasses.dataclass(kw_only=True)

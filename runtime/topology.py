@@ -30,7 +30,7 @@ MESH_AXES: tuple[str, ...] = ("dp", "ring", "ulysses", "tp")
 
 TINY_K6SR = "tiny/k6sr"
 DEGREE_FIELDS = ("tp_size", "ulysses_degree", "ring_degree", "dp_degree")
-"""The parallel degrees, as ``Topology``, ``ServeConfig`` and ``replicas.serving_layout`` name them."""
+"""The parallel degrees, as ``Topology``, ``ServeConfig`` and ``replicas.ServingShape`` name them."""
 
 
 def degrees_of(source: Any) -> dict[str, int | None]:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -88,11 +89,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_ready_file(path: str | os.PathLike, timeout: float = 60.0, *, poll_s: float = 0.05) -> ReadyInfo:
+def read_ready_file(
+    path: str | os.PathLike, timeout: float = 60.0, *, poll_s: float = 0.05, server: subprocess.Popen | None = None
+) -> ReadyInfo:
     """Wait up to ``timeout`` seconds for the server's ready file and return what it says.
 
     A file left behind by a process that is gone is ignored (waited past), so a stale file from an
-    earlier run is never taken for a server. Raises ``TimeoutError`` naming the path.
+    earlier run is never taken for a server. Raises ``TimeoutError`` naming the path. A supervisor
+    that started the server passes its process as ``server``: if it exits before it is ready, the
+    wait stops at once with a ``RuntimeError`` naming its exit code.
     """
     path = Path(path)
     deadline = time.monotonic() + timeout
@@ -107,6 +112,8 @@ def read_ready_file(path: str | os.PathLike, timeout: float = 60.0, *, poll_s: f
             problem = "it does not exist"
         except (OSError, ValueError) as exc:
             problem = f"it is unreadable ({exc})"
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
         if time.monotonic() >= deadline:
             raise TimeoutError(f"no server ready within {timeout:.1f} s: ready file {path}: {problem}")
         time.sleep(poll_s)

@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from tilecast.client import Client, JobFailedError, ServerDeadError, read_ready_file
+from tilecast.launcher.torchrun import terminate
 
 
 def tiny_families() -> dict[str, type]:
@@ -202,7 +203,7 @@ class ServerProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
         try:
-            ready = self._wait_ready_file(ready_timeout)
+            ready = read_ready_file(self.ready_file, ready_timeout, server=self.proc)
             self.endpoint, self.http_url, self.pid = ready.endpoint, ready.http_url, ready.pid
             """The bound ZeroMQ endpoint, the HTTP base URL (``http=True``) and rank 0's pid."""
             with Client(self.endpoint) as client:
@@ -210,18 +211,6 @@ class ServerProcess:
         except BaseException as error:
             self.stop()
             raise AssertionError(f"server did not come up:\n{self.log()}") from error
-
-    def _wait_ready_file(self, timeout: float):
-        """The ready file's contents; fails at once if the server exits first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return read_ready_file(self.ready_file, timeout=0.5)
-            except TimeoutError:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"the server exited with {self.proc.returncode} before it was ready") from None
-                if time.monotonic() >= deadline:
-                    raise
 
     def client(self, **kwargs) -> Client:
         return Client(self.endpoint, **kwargs)
@@ -244,13 +233,9 @@ class ServerProcess:
         return self.leftovers()
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        if not terminate(self.proc, timeout):
+            self.proc.kill()
+            self.proc.wait(timeout=5)
         for pid in self.leftovers_after(5, poll_s=0.1):
             try:
                 os.kill(pid, signal.SIGKILL)

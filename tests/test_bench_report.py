@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tilecast.launcher.bench import report
-from tilecast.launcher.bench.batching import bench_table_rows
+from tilecast.launcher.bench.batching import PEER_RATIOS, bench_table_rows
 
 
 def test_time_repeated_warms_up_then_times_each_call():
@@ -109,9 +109,7 @@ def test_batching_report_rows_name_every_mode_and_ratio():
         throughput_ratio=1.0,
         p50_ratio=1.0,
         p95_ratio=1.0,
-        dynamic_vs_peer_offline_batch=2.0,
-        dynamic_vs_peer_one_at_a_time=2.0,
-        singleton_vs_peer_one_at_a_time=2.0,
+        **dict.fromkeys(PEER_RATIOS, 2.0),  # every ratio to the peer
     )
     rows = bench_table_rows(results)
     assert [row["mode"] for row in rows] == [

@@ -21,7 +21,7 @@ import pytest
 
 from tests.harness import ServerProcess, outcomes_after_kill_9, serve_args, wait_until
 from tilecast.client import Client
-from tilecast.runtime.replicas import replica_errors, serving_layout
+from tilecast.runtime.replicas import ServingShape
 from tilecast.runtime.watchdog import ProgressBeat, Watchdog, WatchdogConfig
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.batching import BatchingConfig
@@ -34,18 +34,18 @@ SMALL = dict(width=32, height=32)
 
 # ------------------------------------------------------------------------------------ units
 def test_layout_explicit_derived_and_refused():
-    assert serving_layout(num_gpus=2, dp_degree=2).groups == ((0,), (1,))
-    assert serving_layout(num_gpus=4, ulysses_degree=2, dp_degree=2).groups == ((0, 1), (2, 3))
-    assert serving_layout(num_gpus=4, ulysses_degree=2).groups == ((0, 1), (2, 3))  # derived replicas
-    assert serving_layout(num_gpus=4, ulysses_degree=2, tile_parallel=True).groups == ((0, 1, 2, 3),)
-    assert serving_layout(num_gpus=2, ulysses_degree=2).groups == ((0, 1),)
+    assert ServingShape(num_gpus=2, dp_degree=2).layout().groups == ((0,), (1,))
+    assert ServingShape(num_gpus=4, ulysses_degree=2, dp_degree=2).layout().groups == ((0, 1), (2, 3))
+    assert ServingShape(num_gpus=4, ulysses_degree=2).layout().groups == ((0, 1), (2, 3))  # derived replicas
+    assert ServingShape(num_gpus=4, ulysses_degree=2, tile_parallel=True).layout().groups == ((0, 1, 2, 3),)
+    assert ServingShape(num_gpus=2, ulysses_degree=2).layout().groups == ((0, 1),)
     with pytest.raises(ValueError, match="num_gpus=2 is not DP 3"):
-        serving_layout(num_gpus=2, dp_degree=3)
-    (error,) = replica_errors(num_gpus=4, ulysses_degree=2, dp_degree=2, tile_parallel=True)
+        ServingShape(num_gpus=2, dp_degree=3).layout()
+    (error,) = ServingShape(num_gpus=4, ulysses_degree=2, dp_degree=2, tile_parallel=True).errors()
     assert "--tile-parallel" in error and "--dp-degree 2" in error
-    (error,) = replica_errors(num_gpus=2, dp_degree=2, fsdp=True)
+    (error,) = ServingShape(num_gpus=2, dp_degree=2, fsdp=True).errors()
     assert "--use-fsdp-inference" in error and "2 groups of 1 rank" in error
-    assert replica_errors(num_gpus=4, ulysses_degree=2, dp_degree=2, fsdp=True) == []
+    assert ServingShape(num_gpus=4, ulysses_degree=2, dp_degree=2, fsdp=True).errors() == []
 
 
 def test_preflight_names_a_dp_degree_that_does_not_fill_the_gpus():

@@ -245,16 +245,9 @@ def test_install_dense_attention_replaces_every_layer():
     from diffusers import Kandinsky6SRTransformer3DModel
 
     from tilecast.runtime.models.k6sr.attention import K6SRDenseAttnProcessor, dense_processors, install_dense_attention
+    from tilecast.runtime.models.k6sr.tiny import TRANSFORMER_CONFIG
 
-    model = Kandinsky6SRTransformer3DModel(
-        in_visual_dim=4,
-        out_visual_dim=40,
-        time_dim=8,
-        model_dim=32,
-        ff_dim=32,
-        num_visual_blocks=3,
-        axes_dims=(4, 6, 6),
-    )
+    model = Kandinsky6SRTransformer3DModel(**{**TRANSFORMER_CONFIG, "num_visual_blocks": 3})  # tiny/k6sr's, 3 blocks
     assert install_dense_attention(model, backend="torch_sdpa") == 3
     processors = dense_processors(model)
     assert len(processors) == 3 and all(isinstance(p, K6SRDenseAttnProcessor) for p in processors)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests.harness import k6sr_generate_args, saved_frames
-from tilecast.launcher.torchrun import with_parent_death_signal
+from tilecast.launcher.torchrun import torchrun_command, with_parent_death_signal
 from tilecast.runtime.synthetic import write_test_video
 
 TIMEOUT_S = 240
@@ -88,36 +88,26 @@ def test_generate_on_two_nodes_matches_one_rank(clip, single_rank, tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     out = tmp_path / "out"
     topology = ["--num-gpus", "4", "--ulysses-degree", "2", "--ring-degree", "2"]
+    # Both agents join the store this test holds (see the module doc).
+    rendezvous = (
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--rdzv-id",
+        "multinode",
+        "--rdzv-conf",
+        "is_host=false",
+    )
+    torchrun = torchrun_command(2, [*k6sr_generate_args(clip, out), *topology], rendezvous=rendezvous)
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         for node in range(2):
             log = open(tmp_path / f"node{node}.log", "w+")
             logs.append(log)
-            torchrun = [
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{store.port}",
-                "--rdzv-id",
-                "multinode",
-                "--rdzv-conf",
-                "is_host=false",
-                "--local-addr",
-                "127.0.0.1",
-                "--max-restarts",
-                "0",
-                "-m",
-                "tilecast",
-                *k6sr_generate_args(clip, out),
-                *topology,
-            ]
             procs.append(
                 subprocess.Popen(
                     with_parent_death_signal(torchrun),

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 from tilecast.client import Client, read_ready_file
 from tilecast.launcher.bench.report import print_table, ratio
+from tilecast.launcher.torchrun import terminate
 from tilecast.scheduler.batching_metrics import percentile_nearest_rank
 
 logger = logging.getLogger(__name__)
@@ -88,32 +89,16 @@ class _Server:
 
     def wait_ready(self) -> None:
         try:
-            self.endpoint = self._ready_file().endpoint
+            self.endpoint = read_ready_file(self.ready_file, READY_TIMEOUT_S, server=self.proc).endpoint
             with Client(self.endpoint) as client:
                 client.wait_ready(READY_TIMEOUT_S)
         except Exception as exc:
             tail = self.log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"server did not come up ({exc}); log tail:\n{tail}") from exc
 
-    def _ready_file(self):
-        """The server's ready file; a ``RuntimeError`` at once if the server exits before writing it."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            try:
-                return read_ready_file(self.ready_file, timeout=1.0)
-            except TimeoutError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready") from None
-                if time.monotonic() >= deadline:
-                    raise
-
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("server %d ignored SIGTERM for %.0fs; killing its process group", self.proc.pid, timeout)
+        if not terminate(self.proc, timeout):
+            logger.warning("server %d ignored SIGTERM for %.0fs; killing its process group", self.proc.pid, timeout)
         try:  # the ranks torchrun started live in the session this Popen created
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -3,7 +3,7 @@
 - ``T2IParams`` / ``T2VParams``: the request fields (msgspec, unknown fields refused).
 - ``TinyCheckpoint``: the deterministic built-in checkpoints, built once and verified on every use
   (``<cache>/models/tiny-<family>-v1``; cache ``$TILECAST_CACHE`` or ``~/.cache/tilecast``), and
-  the tiny networks several of them share (``tiny_qwen_text_config``).
+  the tiny networks several of them share (``tiny_qwen_text_config``, ``TINY_DIT``).
 - ``DiffusersBatchPipeline``: a ``Pipeline`` over a diffusers pipeline object. A merged batch is one
   native diffusers call with a list of prompts and one ``torch.Generator`` per request, seeded by
   that request's own seed, so a request's starting noise is the same alone or in a batch. Only the
@@ -200,6 +200,13 @@ def tiny_qwen_text_config(tokenizer, *, hidden_size: int) -> dict:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+TINY_DIT = dict(num_layers=1, num_attention_heads=2, attention_head_dim=16)
+"""One block of two 16-wide attention heads: the tiny FLUX, Qwen-Image and Wan transformers (their
+classes name these arguments alike). Two heads, so that Ulysses 2 can split them."""
+TINY_ROPE_AXES = (4, 6, 6)
+"""Rotary channels of a tiny 16-wide head per (frame, row, column) axis."""
 
 
 # ------------------------------------------------------------------------------------ outputs

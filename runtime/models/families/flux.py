@@ -17,7 +17,7 @@ import logging
 from typing import Callable
 
 from tilecast.runtime.config import UnsupportedSettingError
-from tilecast.runtime.models.families import tokenizers
+from tilecast.runtime.models.families import common, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -92,13 +92,11 @@ TINY_OVERRIDES: dict[str, dict] = {
         d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2, relative_attention_num_buckets=8
     ),
     "transformer": dict(
-        num_layers=1,
+        **common.TINY_DIT,
         num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
         joint_attention_dim=TEXT_DIM,
         pooled_projection_dim=TEXT_DIM,
-        axes_dims_rope=(4, 6, 6),
+        axes_dims_rope=common.TINY_ROPE_AXES,
     ),
     "vae": dict(block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8, sample_size=64),
 }

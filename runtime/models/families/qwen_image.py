@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import tokenizers, wan
-from tilecast.runtime.models.families.common import (
-    DiffusersBatchPipeline,
-    T2IParams,
-    TinyCheckpoint,
-    tiny_qwen_text_config,
-)
+from tilecast.runtime.models.families import common, tokenizers, wan
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +40,15 @@ def build_tiny_qwen_image():
         text_config=dict(
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
             bos_token_id=None,
-            **tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM),
+            **common.tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM),
         ),
+        # One block (only the text path runs); patch and window geometry: the config's defaults, Qwen2.5-VL's.
         vision_config=dict(
             depth=1,
             hidden_size=16,
             intermediate_size=32,
             num_heads=2,
             out_hidden_size=TEXT_DIM,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
             fullatt_block_indexes=[0],
         ),
         # Ids outside the tiny vocabulary: no prompt can contain an image or video placeholder.
@@ -65,34 +57,22 @@ def build_tiny_qwen_image():
         vision_start_token_id=tokenizers.QWEN_VOCAB_SIZE + 3,
         vision_end_token_id=tokenizers.QWEN_VOCAB_SIZE + 4,
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=64,
         out_channels=16,
-        num_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **common.TINY_DIT,
         joint_attention_dim=TEXT_DIM,
-        axes_dims_rope=(4, 6, 6),
-    )
-    vae = AutoencoderKLQwenImage(**wan.tiny_vae_config())
+        axes_dims_rope=common.TINY_ROPE_AXES,
+    ).eval()
+    vae = AutoencoderKLQwenImage(**wan.tiny_vae_config()).eval()
+    # Qwen-Image's released schedule: diffusers' defaults but for these four.
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
+        use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
     )
     return QwenImagePipeline(
-        scheduler=scheduler,
-        vae=vae.eval(),
-        text_encoder=text_encoder.eval(),
-        tokenizer=tokenizer,
-        transformer=transformer.eval(),
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import flux, tokenizers
+from tilecast.runtime.models.families import common, flux, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -42,20 +42,18 @@ def build_tiny_wan():
 
     tokenizer = tokenizers.t5_tokenizer()
     t5 = flux.flux_configs(flux.TINY_OVERRIDES)["text_encoder_2"]  # UMT5 has T5-v1.1's structure
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **t5))
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **t5)).eval()
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
+        **common.TINY_DIT,
         in_channels=16,
         out_channels=16,
         text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=64,
-        num_layers=1,
         rope_max_seq_len=1024,
-    )
-    vae = AutoencoderKLWan(**tiny_vae_config())
+    ).eval()
+    vae = AutoencoderKLWan(**tiny_vae_config()).eval()
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
@@ -63,11 +61,7 @@ def build_tiny_wan():
         num_train_timesteps=1000,
     )
     return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder.eval(),
-        vae=vae.eval(),
-        scheduler=scheduler,
-        transformer=transformer.eval(),
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
     )
 
 

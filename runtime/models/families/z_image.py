@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from tilecast.runtime.models.families import flux, tokenizers
-from tilecast.runtime.models.families.common import (
-    DiffusersBatchPipeline,
-    T2IParams,
-    TinyCheckpoint,
-    tiny_qwen_text_config,
-)
+from tilecast.runtime.models.families import common, flux, tokenizers
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +29,8 @@ def build_tiny_z_image():
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = tokenizers.qwen_tokenizer()
-    text_encoder = Qwen3Model(Qwen3Config(head_dim=16, **tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM)))
+    text_config = common.tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM)
+    text_encoder = Qwen3Model(Qwen3Config(head_dim=16, **text_config)).eval()
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,),
         all_f_patch_size=(1,),
@@ -45,17 +41,13 @@ def build_tiny_z_image():
         n_heads=2,
         n_kv_heads=2,
         cap_feat_dim=TEXT_DIM,
-        axes_dims=[4, 6, 6],
+        axes_dims=list(common.TINY_ROPE_AXES),
         axes_lens=[512, 128, 128],
-    )
-    vae = AutoencoderKL(**flux.flux_configs(flux.TINY_OVERRIDES)["vae"])  # Z-Image-Turbo decodes with FLUX.1's VAE
+    ).eval()
+    vae = AutoencoderKL(**flux.flux_configs(flux.TINY_OVERRIDES)["vae"]).eval()  # Z-Image-Turbo uses FLUX.1's VAE
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
     return ZImagePipeline(
-        scheduler=scheduler,
-        vae=vae.eval(),
-        text_encoder=text_encoder.eval(),
-        tokenizer=tokenizer,
-        transformer=transformer.eval(),
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
 
 
