@@ -73,6 +73,7 @@ from tilecast.scheduler.http_openai import (
     image_request,
     image_response,
     model_card,
+    sr_fields,
     video_object,
 )
 
@@ -720,11 +721,10 @@ class HttpApi:
             )
         record = VideoRecord(model=self._check_model(fields))
         with _field_errors():
-            apply_size(fields)
             if self.model is not None and self.model.task == "sr":
-                if fields.pop("prompt", None) is not None:
-                    record.notes.append("super-resolution does not read the prompt")
+                sr_fields(fields, record)
             else:
+                apply_size(fields)
                 model = self.model
                 record.frames = apply_seconds(
                     fields,

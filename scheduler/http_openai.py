@@ -118,6 +118,22 @@ def apply_seconds(fields: dict[str, Any], *, default_fps: int | None, rule: tupl
     return {"seconds_requested": seconds, "fps": fps, "num_frames": frames, "seconds": round(frames / fps, 3)}
 
 
+def sr_fields(fields: dict[str, Any], record: "VideoRecord") -> None:
+    """OpenAI's video fields for super-resolution: ``prompt`` is accepted and noted as unread,
+    ``size`` becomes ``sr_target_resolution`` (the result is scaled down to fit it), and ``seconds``
+    is refused (the source video sets the duration)."""
+    if fields.pop("prompt", None) is not None:
+        record.notes.append("super-resolution does not read the prompt")
+    if fields.get("seconds") not in (None, ""):
+        raise FieldError("seconds does not apply to super-resolution: the source video sets the duration", "seconds")
+    fields.pop("seconds", None)
+    size = parse_size(fields.pop("size", None))
+    if size is not None:
+        if fields.get("sr_target_resolution") is not None:
+            raise FieldError("give either size or sr_target_resolution, not both", "sr_target_resolution")
+        fields["sr_target_resolution"] = f"{size[0]}x{size[1]}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ImageRequest:
     """``POST /v1/images/generations`` as scheduler submissions."""

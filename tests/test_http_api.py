@@ -211,6 +211,15 @@ def test_openai_sdk_super_resolves_a_video_sent_as_input_reference(server, media
     )
     assert video.status == "completed" and video.model == "tiny/k6sr", video
     assert video.model_extra["notes"] == ["super-resolution does not read the prompt"]
+    with pytest.raises(openai.BadRequestError) as refused:  # the source sets the duration
+        sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), seconds="4", extra_body=SR_FIELDS)
+    assert refused.value.param == "seconds"
+    fitted = sdk.videos.create_and_poll(
+        prompt="x", input_reference=("in.mp4", clip, "video/mp4"), size="64x64", extra_body=SR_FIELDS
+    )  # size is the SR target resolution: the x2 result is scaled down to fit it
+    small = tmp_path / "fitted.mp4"
+    small.write_bytes(sdk.videos.download_content(fitted.id).read())
+    assert (describe_mp4(small)["width"], describe_mp4(small)["height"]) == (64, 64)
     path = tmp_path / "sdk.mp4"
     path.write_bytes(sdk.videos.download_content(video.id).read())
     mp4 = describe_mp4(path)
