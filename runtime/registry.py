@@ -16,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 
+from tilecast.runtime.hub import local_dir
 from tilecast.runtime.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
@@ -75,11 +76,11 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
             return cls
         hints = ", ".join(hint for cls in pipelines() for hint in cls.model_id_hints)
         raise ValueError(f"--model-id {model_id!r} names no known model family (known: {hints})")
-    path = Path(model_path)
+    path = local_dir(model_path)  # a Hub id: its snapshot in the Hugging Face cache
     if not path.exists():
         raise ValueError(
-            f"--model-path {model_path!r} is neither a built-in model ({', '.join(sorted(builtins))}) "
-            "nor an existing directory"
+            f"--model-path {model_path!r} is neither a built-in model ({', '.join(sorted(builtins))}), "
+            "an existing directory nor a Hugging Face Hub id (owner/name)"
         )
     index = path / "model_index.json"
     if not index.is_file():
@@ -91,7 +92,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
     served = diffusers_classes()
     if class_name in served:
         return served[class_name]
-    if (cls := _by_hint(path.name)) is not None:
+    if (cls := _by_hint(path.name)) is not None or (cls := _by_hint(str(model_path))) is not None:
         return cls
     raise ValueError(
         f"{path}: pipeline class {class_name!r} is not served by tilecast "

@@ -375,7 +375,9 @@ def model_limits(model_path: str | Path) -> ModelLimits:
     if name.startswith(("tiny/", "random/", "test/")) and not Path(model_path).exists():
         logger.debug("no head count known for built-in model %s", name)
         return ModelLimits()
-    path = Path(model_path)
+    from tilecast.runtime.hub import local_dir
+
+    path = local_dir(str(model_path))
     config_path = path / "transformer" / "config.json"
     if not config_path.is_file():
         if not path.exists():

@@ -37,6 +37,7 @@ import torch
 
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
+from tilecast.runtime.hub import local_dir
 from tilecast.runtime.models.families import tokenizers
 from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS, install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
@@ -337,7 +338,7 @@ class DiffusersBatchPipeline(Pipeline):
     def resolve_path(cls, model_path: str) -> Path:
         if model_path == cls.builtin_name:
             return cls.ensure_builtin()
-        return Path(model_path)
+        return local_dir(model_path)
 
     @classmethod
     def build_diffusers(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> Any:

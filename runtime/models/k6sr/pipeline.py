@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tilecast.runtime.allowed_files import open_allowed
+from tilecast.runtime.hub import local_dir
 from tilecast.runtime.models.k6sr import video_io
 from tilecast.runtime.models.k6sr.attention import install_dense_attention
 from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
@@ -173,7 +174,7 @@ class K6SRPipeline(Pipeline):
         if model_path == TINY_MODEL:
             model_dir = cls.ensure_builtin(ctx.cache_dir)
         else:
-            model_dir = Path(model_path)
+            model_dir = local_dir(model_path)
             if not model_dir.is_dir():
                 raise ValueError(f"--model-path {model_path!r} is not a local diffusers-format directory")
         parts = load_components(model_dir, device=ctx.device, dtype=dtype)
