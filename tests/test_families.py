@@ -2,7 +2,7 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6): batch shape may change kernels, the seeds do not change.
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6): batch shape may change kernels, the seeds do not change.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -25,7 +26,7 @@ BATCH_TOL = 1e-4
 """Max abs difference between a request's batched and singleton fp32 output."""
 
 FAMILIES = tiny_families()
-"""Built-in name → family class: FLUX, Qwen-Image, Z-Image-Turbo, Wan2.1 T2V and any family declared later."""
+"""Built-in name → family class: FLUX, Qwen-Image, Z-Image-Turbo, SD3, Wan2.1 T2V and any family declared later."""
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,47 @@ def test_defaults_are_resolved_in_prepare(loaded):
     assert (v.num_frames, v.num_inference_steps, v.guidance_scale, v.output_format) == (5, 2, 5.0, "mp4")
 
 
+# ---- Stable Diffusion 3 / 3.5 --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "stabilityai/stable-diffusion-3-medium-diffusers",
+        "stabilityai/stable-diffusion-3.5-medium",
+        "stabilityai/stable-diffusion-3.5-large",
+        "stabilityai/stable-diffusion-3.5-large-turbo",
+    ],
+)
+def test_released_sd3_ids_route_to_sd3(model_id, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is SD3T2IPipeline
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is SD3T2IPipeline
+
+
+def test_sd3_defaults_follow_the_sd3_medium_card(loaded):
+    pipe, _ = loaded("tiny/sd3")
+    p = pipe.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (28, 7.0)
+    assert pipe.guidance_on(p) and pipe.call_kwargs(p)["max_sequence_length"] == 256
+
+
+def test_sd3_negative_prompt_changes_the_output_when_guidance_is_on(loaded):
+    pipe, ctx = loaded("tiny/sd3")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=4, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    with_negative = out[1].tensors["image"]
+    assert (out[0].tensors["image"] - with_negative).abs().max() > 0.01  # the negative prompt steers the result
+    assert (alone - with_negative).abs().max() <= BATCH_TOL  # and is per request inside a merged batch
+    empty = msgspec.structs.replace(plain, negative_prompt="")
+    same = pipe.run([WorkItem(job_id="empty", params=empty)], ctx)[0].tensors["image"]
+    assert (same - out[0].tensors["image"]).abs().max() <= BATCH_TOL  # unset means "" (diffusers' default)
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -153,6 +195,8 @@ def test_defaults_are_resolved_in_prepare(loaded):
         ("tiny/flux", {"prompt": "  "}, "prompt must not be empty"),
         ("tiny/z-image-turbo", {"negative_prompt": "blurry"}, "negative_prompt cannot be used"),
         ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used"),
+        ("tiny/sd3", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by sd3"),
+        ("tiny/sd3", {"width": 1552}, "width must be at most 1536 for sd3"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],

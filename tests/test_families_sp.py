@@ -26,8 +26,13 @@ from tests.harness import tiny_families
 SP_TOL = 1e-4
 """Max abs difference between a request's output in an SP batch and its 1-rank singleton output."""
 
-FAMILIES = {name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items()}
-"""Built-in name → ``"module:Class"`` of every tiny diffusers family (what the ranks import)."""
+FAMILIES = {
+    name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items() if cls.cp_plan is not None
+}
+"""Built-in name → ``"module:Class"`` of every tiny diffusers family with a context-parallel plan (what
+the ranks import). A family without one (``tiny/sd3``: diffusers ships no ``_cp_plan`` for
+``SD3Transformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
+(``tests/test_refuse_settings.py``; ``test_families_without_a_plan_refuse_sequence_parallel`` below)."""
 
 REQUESTS = (
     dict(prompt="a red cat on a mat", seed=1),
@@ -265,3 +270,14 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
     }
+
+
+def test_families_without_a_plan_refuse_sequence_parallel():
+    from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
+
+    unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
+    assert set(unplanned) == {"tiny/sd3"}
+    for name, cls in unplanned.items():
+        for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
+            with pytest.raises(UnsupportedSettingError, match="not supported by"):
+                cls.check_settings(ServeConfig(device="cpu", num_gpus=2, **degrees), name)

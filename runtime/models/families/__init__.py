@@ -7,6 +7,7 @@ built-in name          family          task    diffusers pipeline
 ``random/flux``        flux            t2i     ``FluxPipeline`` (FLUX.1-dev, released size, random weights)
 ``tiny/qwen-image``    qwen-image      t2i     ``QwenImagePipeline``
 ``tiny/z-image-turbo`` z-image-turbo   t2i     ``ZImagePipeline`` (Z-Image-Turbo)
+``tiny/sd3``           sd3             t2i     ``StableDiffusion3Pipeline`` (SD3 Medium, SD3.5)
 ``tiny/wan2.1-t2v``    wan2.1-t2v      t2v     ``WanPipeline`` (Wan2.1 T2V 1.3B)
 =====================  ==============  ======  =====================================
 
