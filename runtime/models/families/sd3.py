@@ -68,11 +68,8 @@ def build_tiny_sd3():
     clip, clip_2 = clip_encoder(clip_tok), clip_encoder(clip_tok_2)
     t5_config = flux.flux_configs(flux.TINY_OVERRIDES)["text_encoder_2"]  # T5-v1.1-XXL, as FLUX's
     t5 = T5EncoderModel(T5Config(vocab_size=tokenizers.T5_VOCAB_SIZE, **t5_config)).eval()
-    transformer = SD3Transformer2DModel(
+    transformer = SD3Transformer2DModel(  # 2x2 patches of 16 latent channels: the class's defaults, as released
         sample_size=8,
-        patch_size=2,
-        in_channels=16,
-        out_channels=16,
         **{**common.TINY_DIT, "num_layers": 2},  # a full joint block, then the context-pre-only last one
         joint_attention_dim=TEXT_DIM,
         caption_projection_dim=common.TINY_DIT["num_attention_heads"] * common.TINY_DIT["attention_head_dim"],
@@ -106,7 +103,6 @@ class SD3T2IPipeline(DiffusersBatchPipeline):
     checkpoint = TINY_SD3
     builtin_name = "tiny/sd3"
     model_id_hints = ("stable-diffusion-3-medium", "stable-diffusion-3.5-medium", "stable-diffusion-3.5-large")
-    size_multiple = 16
     default_steps = 28
     default_guidance = 7.0
     max_sequence_length = 256
