@@ -198,7 +198,7 @@ class ServeConfig:
         check_declared(self)
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError(f"--cuda-graphs needs --device cuda, got --device {self.device}")
-        if self.lora_paths or self.lora_dirs:
+        if self.lora_enabled:
             from tilecast.scheduler.lora import LoraRegistry
 
             try:
@@ -280,6 +280,11 @@ class ServeConfig:
         from tilecast.runtime.watchdog import WatchdogConfig
 
         return WatchdogConfig(heartbeat_timeout_s=self.heartbeat_timeout_s, stuck_timeout_s=self.stuck_timeout_s)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA adapters were asked for (``--lora-path`` or ``--lora-dir``)."""
+        return bool(self.lora_paths or self.lora_dirs)
 
     @property
     def resolved_dtype(self) -> str:

@@ -49,7 +49,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from starlette.applications import Starlette
@@ -150,8 +150,15 @@ class ModelInfo:
     """The ``fps`` request default of a video model (None: no duration, ``seconds`` is refused)."""
     num_frames_rule: tuple[int, int] = (1, 0)
     """Frame counts ``m*k + r`` the model accepts, as ``(m, r)``."""
-    health_request: tuple[dict[str, Any], dict[str, bytes]] | None = dataclasses.field(default=None, repr=False)
-    """``Pipeline.health_request()``: what ``GET /health_generate`` submits (None: 501)."""
+    health_request: Callable[[], tuple[dict[str, Any], dict[str, bytes]] | None] | None = dataclasses.field(
+        default=None, repr=False
+    )
+    """``Pipeline.health_request``: what ``GET /health_generate`` submits, built on its first call
+    (None: 501)."""
+
+    def known_as(self, name: str) -> bool:
+        """Whether ``name`` is one of the served model's names."""
+        return name in self.aliases or name in (self.name, self.family)
 
     @classmethod
     def from_pipeline(cls, pipeline, config=None, world_size: int = 1) -> "ModelInfo":
@@ -175,23 +182,15 @@ class ModelInfo:
             params_type=params_type,
             upload_fields=tuple(pipeline.upload_fields),
             num_gpus=world_size,
-            precision=_precision(config),
+            precision=config.resolved_dtype if config is not None else "",
             pipeline_name=type(pipeline).__name__,
             pipeline_class=getattr(pipeline, "diffusers_class", None) or type(pipeline).__name__,
             aliases=tuple(dict.fromkeys(name for name in names if name)),
             layout=layout,
             default_fps=fps.default if fps is not None and isinstance(fps.default, int) else None,
             num_frames_rule=tuple(getattr(pipeline, "num_frames_rule", (1, 0))),
-            health_request=pipeline.health_request() if hasattr(pipeline, "health_request") else None,
+            health_request=getattr(pipeline, "health_request", None),
         )
-
-
-def _precision(config) -> str:
-    if config is None:
-        return ""
-    from tilecast.runtime.config import default_dtype
-
-    return str(config.dtype or default_dtype(config.device))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -288,6 +287,12 @@ def check_wire_values(fields: dict[str, Any]) -> None:
             raise ApiError(400, f"invalid value for {shown!r}: {why}", param=shown, code="invalid_value")
 
 
+def _merge_extra_body(body: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's clients nest extra fields under ``extra_body`` in the JSON; they mean top-level fields."""
+    extra = body.pop("extra_body", None)
+    return {**body, **extra} if isinstance(extra, dict) else body
+
+
 @contextlib.contextmanager
 def _field_errors():
     """``http_openai.FieldError`` as a 400 naming the field."""
@@ -368,6 +373,8 @@ class HttpApi:
         self._health_generated: tuple[float, int, dict[str, Any]] | None = None
         """The last ``/health_generate`` answer: (monotonic time, status code, body)."""
         self._health_lock: asyncio.Lock | None = None
+        self._health_fields: tuple[dict[str, Any], dict[str, bytes]] | None = None
+        """``ModelInfo.health_request()``'s answer, once asked for."""
         routes = [
             Route("/v1/videos", self.create_video, methods=["POST"]),
             Route("/v1/videos", self.list_videos, methods=["GET"]),
@@ -595,7 +602,7 @@ class HttpApi:
         model = fields.pop("model", None)
         if model is None or self.model is None:
             return model
-        if model not in self.model.aliases and model not in (self.model.name, self.model.family):
+        if not self.model.known_as(model):
             raise ApiError(
                 400,
                 f"this server serves {self.model.name!r} (also known as {', '.join(map(repr, self.model.aliases))}),"
@@ -708,9 +715,8 @@ class HttpApi:
                 fields, video = await self._read_json(request), None
         except ClientDisconnect:
             return Response(status_code=400)
-        extra = fields.pop("extra_body", None) if kind == "json" else None
-        if isinstance(extra, dict):  # SGLang's clients nest extras; they mean top-level fields
-            fields = {**fields, **extra}
+        if kind == "json":
+            fields = _merge_extra_body(fields)
         if "video" in fields:
             raise ApiError(
                 400,
@@ -859,9 +865,7 @@ class HttpApi:
                 f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs a text-to-image model",
                 code="wrong_task",
             )
-        extra = body.pop("extra_body", None)
-        if isinstance(extra, dict):
-            body = {**body, **extra}
+        body = _merge_extra_body(body)
         self._check_model(body)
         with _field_errors():
             wanted = image_request(body, max_images=self.config.max_images)
@@ -923,7 +927,7 @@ class HttpApi:
 
     async def get_model(self, request: Request) -> Response:
         model, wanted = await self._model(), request.path_params["model_id"]
-        if wanted not in model.aliases and wanted != model.name:
+        if not model.known_as(wanted):
             raise ApiError(
                 404, f"the model {wanted!r} is not served here (this server serves {model.name!r})",
                 param="model", code="model_not_found",
@@ -1009,7 +1013,9 @@ class HttpApi:
         return JSONResponse(body, status_code=status)
 
     async def _generate_for_health(self) -> tuple[int, dict[str, Any]]:
-        request = self.model.health_request if self.model is not None else None
+        if self._health_fields is None and self.model is not None and self.model.health_request is not None:
+            self._health_fields = await asyncio.to_thread(self.model.health_request)  # K6 SR encodes a clip
+        request = self._health_fields
         if request is None:
             return 501, {"status": "unsupported", "detail": "this model has no health generation request"}
         fields, uploads = request

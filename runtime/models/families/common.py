@@ -364,12 +364,12 @@ class DiffusersBatchPipeline(Pipeline):
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
         cls.check_settings(ctx.settings, model_path)  # on every rank, before any weight is read
-        if (ctx.settings.lora_paths or ctx.settings.lora_dirs) and importlib.util.find_spec("peft") is None:
+        if ctx.settings.lora_enabled and importlib.util.find_spec("peft") is None:
             raise UnsupportedSettingError(
                 "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
             )
         pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
-        if (ctx.settings.lora_paths or ctx.settings.lora_dirs) and not hasattr(pipe, "load_lora_weights"):
+        if ctx.settings.lora_enabled and not hasattr(pipe, "load_lora_weights"):
             raise UnsupportedSettingError(
                 f"--lora-path / --lora-dir: diffusers' {cls.diffusers_class} loads no LoRA adapters"
             )

@@ -179,7 +179,7 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
         from tilecast.runtime import cuda_graphs
         from tilecast.runtime.models.families.flux_fast import install_fast_paths
 
-        lora = bool(settings.lora_paths or settings.lora_dirs)
+        lora = settings.lora_enabled
         if lora and (settings.quantize or settings.cuda_graphs):
             flag = "--quantize" if settings.quantize else "--cuda-graphs"
             raise UnsupportedSettingError(
