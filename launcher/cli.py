@@ -125,6 +125,10 @@ def generate(
     settings: dict,
     config_file: ConfigFile = None,
     video_path: Annotated[Optional[Path], typer.Option("--video-path", help="Source video (SR).")] = None,
+    image_path: Annotated[
+        Optional[list[Path]],
+        typer.Option("--image-path", help="Input image (image-to-image models); repeat for several, in order."),
+    ] = None,
     sr_resolution_scale: Annotated[Optional[float], typer.Option("--sr-resolution-scale", help="2, 4 or 2.25.")] = None,
     sr_tiles_batch_size: Annotated[Optional[int], typer.Option("--sr-tiles-batch-size")] = None,
     sr_tile_min_overlap: Annotated[Optional[float], typer.Option("--sr-tile-min-overlap")] = None,
@@ -167,10 +171,14 @@ def generate(
         "seed": seed,
         "output_file_name": output_file_name,
         "return_frames": True if save_frames else None,
+        "image_paths": [str(path.resolve()) for path in image_path] if image_path else None,
     }
     fields = {key: value for key, value in fields.items() if value is not None}
     if video_path is not None and not video_path.is_file():
         _fail(f"--video-path {video_path} is not a file")
+    for path in image_path or ():
+        if not path.is_file():
+            _fail(f"--image-path {path} is not a file")
     try:
         values = O.settings_values(settings, config_file, "generate")
         values |= {

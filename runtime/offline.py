@@ -65,8 +65,12 @@ def generate(
     plan = None
     if rt.ranks.rank == 0:
         try:
+            fields = dict(fields)
+            image_paths = fields.pop("image_paths", [])  # --image-path: read here, uploaded as the client would
+            uploads: dict = {f"image.{index}": Path(path).read_bytes() for index, path in enumerate(image_paths)}
+            if uploads and "image" not in rt.pipeline.upload_fields:
+                raise ValueError(f"--image-path: {rt.pipeline.family} takes no input image")
             params = msgspec.convert(fields, rt.pipeline.params_type)
-            uploads: dict = {}
             params = rt.pipeline.prepare(params, uploads)  # a video_path comes back opened in ``uploads``
             item = P.PlanItem(job_id="offline", params=msgspec.to_builtins(params), uploads=materialize(uploads))
             release(uploads)

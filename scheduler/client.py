@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import itertools
 import os
 import queue
@@ -100,15 +101,33 @@ class JobResult:
         raise KeyError(f"no tensor output {name!r}")
 
 
+def _file_bytes(value: Any, field: str) -> bytes:
+    """An upload's bytes: bytes as they are, a local path read, a PIL image encoded as PNG."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value).read_bytes()
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL.Image (Pillow is imported only by the caller)
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"{field} must be bytes, a local path or a PIL image, got {type(value).__name__}")
+
+
 def _split_uploads(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[bytes]]:
     """Request fields -> (params, upload names, upload payloads): a ``video`` given as bytes or a
-    local path is uploaded."""
+    local path is uploaded; ``image`` (bytes, a local path, a PIL image, or a list of them) becomes
+    uploads ``image.0``, ``image.1``, ... in order."""
     params, names, payloads = {}, [], []
     for key, value in fields.items():
         if key == "video" and value is not None:
-            data = value if isinstance(value, (bytes, bytearray, memoryview)) else Path(value).read_bytes()
             names.append("video")
-            payloads.append(bytes(data))
+            payloads.append(_file_bytes(value, "video"))
+        elif key == "image" and value is not None:
+            images = list(value) if isinstance(value, (list, tuple)) else [value]
+            for index, image in enumerate(images):
+                names.append(f"image.{index}")
+                payloads.append(_file_bytes(image, f"image[{index}]" if len(images) > 1 else "image"))
         else:
             params[key] = str(value) if isinstance(value, os.PathLike) else value
             _check_wire_value(key, params[key])

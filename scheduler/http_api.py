@@ -14,6 +14,7 @@ Routes::
     GET    /v1/videos/{id}/content   the MP4 once completed (404 unknown id, 409 not completed)
     DELETE /v1/videos/{id}           delete a job: cancel it if unfinished, remove its files (OpenAI's video.deleted)
     POST   /v1/images/generations    JSON: prompt, n, size "WxH", seed, response_format b64_json, extras
+    POST   /v1/images/edits          multipart: image / image[] (input images), prompt, n, size, ... (image models)
     GET    /v1/models                the served model
     GET    /health                   200 {"status": "ok"} when serving; 503 when dead/stopping/silent
     GET    /metrics                  Prometheus text exposition
@@ -60,6 +61,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Route
 
+from tilecast.runtime.models.families.images import MAX_IMAGE_BYTES
 from tilecast.scheduler import protocol as P
 from tilecast.scheduler.client import AsyncClient, ServerDeadError, ServerError
 from tilecast.scheduler.http_metrics import Exposition, FrontEndMetrics, front_end_metrics, scheduler_metrics
@@ -84,6 +86,12 @@ VIDEO_PART = "video_reference"
 REFERENCE_PART = "input_reference"
 """OpenAI's reference file field: a video there is the super-resolution source, as the reference routes it."""
 FILE_PARTS = (VIDEO_PART, REFERENCE_PART)
+IMAGE_PARTS = ("image", "image[]", "mask")
+"""Multipart file fields of ``/v1/images/edits`` (the ``openai`` SDK sends a list of images as ``image[]``)."""
+MAX_EDIT_FILES = 17
+"""Most file parts an edits request may carry (16 input images and a mask; a model takes fewer)."""
+IMAGE_TASKS = ("t2i", "i2i")
+"""Tasks ``/v1/images/generations`` serves (an ``i2i`` model that needs an input image refuses it itself)."""
 _ACCEPTED_UPLOAD_TYPES = ("application/octet-stream",)
 """Non-``video/*`` part types accepted for ``video_reference`` (the pipeline still probes the bytes)."""
 _SERVER_CODES = {
@@ -382,6 +390,7 @@ class HttpApi:
             Route("/v1/videos/{video_id}", self.delete_video, methods=["DELETE"]),
             Route("/v1/videos/{video_id}/content", self.video_content, methods=["GET"]),
             Route("/v1/images/generations", self.create_images, methods=["POST"]),
+            Route("/v1/images/edits", self.edit_images, methods=["POST"]),
             Route("/v1/images/{image_id}/content", self.image_content, methods=["GET"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/models", self.list_models, methods=["GET"]),
@@ -540,12 +549,15 @@ class HttpApi:
             raise ApiError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
         return data
 
-    async def _read_multipart(self, request: Request) -> tuple[dict[str, str], bytes | None]:
-        """The form's fields and the video's bytes. The body is counted as it arrives (413 past
-        ``--max-upload-mb``) and a file part past ``upload_spool_bytes`` is spooled to disk; only a
-        complete, accepted upload is read into memory, to be sent to the scheduler."""
+    async def _read_form(
+        self, request: Request, file_parts: tuple[str, ...], *, max_files: int, hint: str
+    ) -> tuple[dict[str, str], list[tuple[str, str, bytes]]]:
+        """A multipart form's fields and its file parts as ``(part name, media type, bytes)`` in
+        order. The body is counted as it arrives (413 past ``--max-upload-mb``) and a file part past
+        ``upload_spool_bytes`` is spooled to disk; only a complete, accepted body is read into memory.
+        A file under another name than ``file_parts`` is a 400 with ``hint``."""
         limited = self._limited(request, self.config.max_upload_bytes, self._too_large)
-        parser = MultiPartParser(limited.headers, limited.stream(), max_files=1, max_fields=64)
+        parser = MultiPartParser(limited.headers, limited.stream(), max_files=max_files, max_fields=64)
         parser.spool_max_size = self.config.upload_spool_bytes
         try:
             form = await parser.parse()
@@ -555,46 +567,53 @@ class HttpApi:
             raise ApiError(400, f"malformed multipart body: {exc.message}", code="invalid_multipart") from None
         try:
             fields: dict[str, str] = {}
-            video = None
+            files: list[tuple[str, str, bytes]] = []
             for name, value in form.multi_items():
-                if name in fields or (name in FILE_PARTS and video is not None):
-                    raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
                 if isinstance(value, UploadFile):
-                    if name not in FILE_PARTS:
+                    if name not in file_parts:
                         raise ApiError(
-                            400,
-                            f"unexpected file field {name!r} (upload the video as {VIDEO_PART!r})",
-                            param=name,
-                            code="unknown_field",
+                            400, f"unexpected file field {name!r} ({hint})", param=name, code="unknown_field"
                         )
                     media = (value.content_type or "").split(";", 1)[0].strip().lower()
-                    if media.startswith("image/"):
-                        raise ApiError(
-                            400,
-                            f"{self._model_name() or 'this model'} takes no image reference: {name!r} must be a video",
-                            param=name,
-                            code="unsupported_input",
-                        )
-                    if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
-                        raise ApiError(
-                            415,
-                            f"{name} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
-                            param=name,
-                            code="unsupported_media_type",
-                        )
-                    video = await value.read()
-                elif name in FILE_PARTS:
+                    files.append((name, media, await value.read()))
+                elif name in file_parts:
                     raise ApiError(
-                        400,
-                        f"{name} must be a file part (curl -F '{name}=@input.mp4')",
-                        param=name,
-                        code="invalid_value",
+                        400, f"{name} must be a file part (curl -F '{name}=@file')", param=name, code="invalid_value"
                     )
+                elif name in fields:
+                    raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
                 else:
                     fields[name] = value
-            return fields, video
+            return fields, files
         finally:
             await form.close()
+
+    async def _read_multipart(self, request: Request) -> tuple[dict[str, str], bytes | None]:
+        """A video request's form fields and the video's bytes (``video_reference`` or ``input_reference``)."""
+        fields, files = await self._read_form(
+            request, FILE_PARTS, max_files=len(FILE_PARTS) + 1, hint=f"upload the video as {VIDEO_PART!r}"
+        )
+        if len(files) > 1:
+            name = files[1][0]
+            raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
+        if not files:
+            return fields, None
+        name, media, video = files[0]
+        if media.startswith("image/"):
+            raise ApiError(
+                400,
+                f"{self._model_name() or 'this model'} takes no image reference: {name!r} must be a video",
+                param=name,
+                code="unsupported_input",
+            )
+        if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
+            raise ApiError(
+                415,
+                f"{name} has Content-Type {media!r}; expected video/* (e.g. video/mp4)",
+                param=name,
+                code="unsupported_media_type",
+            )
+        return fields, video
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, fields: dict[str, Any]) -> str | None:
@@ -612,14 +631,14 @@ class HttpApi:
             )
         return model
 
-    def _check_upload_size(self, video: bytes) -> None:
+    def _check_upload_size(self, size: int, part: str = VIDEO_PART) -> None:
         limit = self.config.max_message_bytes
-        if limit is not None and len(video) + _ZMQ_OVERHEAD_BYTES > limit:
+        if limit is not None and size + _ZMQ_OVERHEAD_BYTES > limit:
             raise ApiError(
                 413,
-                f"the {len(video)}-byte video does not fit the scheduler's message limit "
+                f"the {size}-byte {'video' if part == VIDEO_PART else part} does not fit the scheduler's message limit "
                 f"({limit / 2**20:g} MiB, --max-message-mb)",
-                param=VIDEO_PART,
+                param=part,
                 code="payload_too_large",
             )
 
@@ -633,9 +652,8 @@ class HttpApi:
         except ServerError as exc:
             error = _from_client_error(exc)
             if exc.code == "bad_request" and self.model is not None and self.model.params_type is not None:
-                error.param = next(
-                    (f for f in self.model.params_type.__struct_fields__ if exc.message.startswith(f)), None
-                )
+                names = (*self.model.params_type.__struct_fields__, *self.model.upload_fields)
+                error.param = next((f for f in names if exc.message.startswith(f)), None)
             raise error from None
 
     async def _status(self, job_id: str) -> P.JobInfo:
@@ -744,7 +762,7 @@ class HttpApi:
         if video is not None:
             if self.model is not None and "video" not in self.model.upload_fields:
                 raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
-            self._check_upload_size(video)
+            self._check_upload_size(len(video))
             fields["video"] = video
         job_id = await self._submit(fields)
         self._remember(job_id, record)
@@ -859,18 +877,81 @@ class HttpApi:
             body = await self._read_json(request)
         except ClientDisconnect:
             return Response(status_code=400)
-        if self.model is not None and self.model.task and self.model.task != "t2i":
+        if self.model is not None and self.model.task and self.model.task not in IMAGE_TASKS:
             raise ApiError(
                 400,
                 f"{self.model.name} is a {self.model.task!r} model; /v1/images/generations needs a text-to-image model",
                 code="wrong_task",
             )
-        body = _merge_extra_body(body)
+        return await self._images(request, _merge_extra_body(body), images=[], from_strings=False)
+
+    async def edit_images(self, request: Request) -> Response:
+        """OpenAI's image edits: multipart ``image`` / ``image[]`` (one or more files), optional
+        ``mask``, ``prompt``, ``n``, ``size``, ``response_format`` and any request field of the model."""
+        if _content_kind(request) != "multipart":
+            raise ApiError(
+                415,
+                "POST /v1/images/edits takes multipart/form-data (image=@in.png or image[]=@a.png ..., prompt=...)",
+                code="unsupported_media_type",
+            )
+        try:
+            fields, files = await self._read_form(
+                request,
+                IMAGE_PARTS,
+                max_files=MAX_EDIT_FILES,
+                hint="upload input images as 'image' or 'image[]' and a mask as 'mask'",
+            )
+        except ClientDisconnect:
+            return Response(status_code=400)
+        if self.model is not None and "image" not in self.model.upload_fields:
+            raise ApiError(
+                400,
+                f"{self.model.name} takes no input image; /v1/images/edits needs an image-editing model"
+                " (use /v1/images/generations)",
+                param="image",
+                code="wrong_task",
+            )
+        if any(name == "mask" for name, _, _ in files):
+            raise ApiError(
+                400,
+                f"mask: {self._model_name() or 'this model'} edits follow the prompt over the whole image and take no mask",
+                param="mask",
+                code="unsupported_input",
+            )
+        images = [(media, data) for _, media, data in files]
+        if not images:
+            raise ApiError(400, "image is required: upload it as the file part 'image'", param="image", code="missing")
+        for index, (media, data) in enumerate(images):
+            label = "image" if len(images) == 1 else f"image {index + 1} of {len(images)}"
+            if media and not media.startswith("image/") and media not in _ACCEPTED_UPLOAD_TYPES:
+                raise ApiError(
+                    415,
+                    f"{label} has Content-Type {media!r}; expected image/*",
+                    param="image",
+                    code="unsupported_media_type",
+                )
+            if len(data) > MAX_IMAGE_BYTES:
+                raise ApiError(
+                    413,
+                    f"{label} is {len(data) / 2**20:.1f} MiB; at most {MAX_IMAGE_BYTES / 2**20:g} MiB per image",
+                    param="image",
+                    code="payload_too_large",
+                )
+        self._check_upload_size(sum(len(data) for _, data in images), part="image")
+        for name in ("n", "seed"):  # OpenAI's own fields arrive as form strings too
+            if isinstance(fields.get(name), str) and fields[name].strip().isdigit():
+                fields[name] = int(fields[name])
+        return await self._images(request, fields, images=[data for _, data in images], from_strings=True)
+
+    async def _images(self, request: Request, body: dict[str, Any], *, images: list[bytes], from_strings: bool):
+        """Submit an images request's ``n`` jobs (each with ``images`` as its input images), wait for
+        all of them and answer in OpenAI's shape; a client that leaves gets its jobs cancelled."""
         self._check_model(body)
         with _field_errors():
             wanted = image_request(body, max_images=self.config.max_images)
         requests = [
-            convert_fields(fields, self.model.params_type if self.model else None, from_strings=False)
+            convert_fields(fields, self.model.params_type if self.model else None, from_strings=from_strings)
+            | ({"image": images} if images else {})
             for fields in wanted.submissions
         ]
         job_ids: list[str] = []

@@ -250,10 +250,13 @@ class Scheduler(threading.Thread):
             raise ValueError(f"this server serves {pipe.model_name!r}, not {msg.model!r}")
         if len(msg.uploads) != len(payloads):
             raise ValueError(f"{len(msg.uploads)} upload names but {len(payloads)} payload frames")
-        unknown = [name for name in msg.uploads if name not in pipe.upload_fields]
+        unknown = [name for name in msg.uploads if name.partition(".")[0] not in pipe.upload_fields]
         if unknown:
+            field = unknown[0].partition(".")[0]
             allowed = ", ".join(pipe.upload_fields) or "none"
-            raise ValueError(f"unexpected upload {unknown[0]!r} (this model accepts uploads: {allowed})")
+            raise ValueError(
+                f"{field}: {pipe.family} takes no {field} input (unexpected upload {unknown[0]!r}; uploads it accepts: {allowed})"
+            )
         uploads = {name: bytes(data) for name, data in zip(msg.uploads, payloads)}
         fields = self.lora.resolve(dict(msg.params)) if self.lora is not None else msg.params
         try:

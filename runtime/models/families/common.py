@@ -38,7 +38,7 @@ import torch
 from tilecast.runtime.cache import ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 from tilecast.runtime.hub import local_dir
-from tilecast.runtime.models.families import tokenizers
+from tilecast.runtime.models.families import images, tokenizers
 from tilecast.runtime.models.families.sequence_parallel import SEQUENCE_PARALLEL_SETTINGS, install_for_family
 from tilecast.runtime.models.k6sr.params import check_output_file_name
 from tilecast.runtime.pipeline import Output, OutputFile, Pipeline, RankContext, WorkItem
@@ -118,6 +118,21 @@ class T2IParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
     """Name of the written file (default ``<job id>.<format>``); letters, digits, ``._-`` only."""
     return_tensor: bool = False
     """Also return the raw float output (``[0, 1]``, ``3xHxW``) as tensor ``image``."""
+
+
+class I2IParams(T2IParams, forbid_unknown_fields=True, kw_only=True):
+    """An image-to-image request: ``T2IParams`` plus input images, sent as uploads ``image.0``,
+    ``image.1``, ... (``families.images``)."""
+
+    width: int | None = None
+    """Output width in pixels; unset: the family's rule from the first input image."""
+    height: int | None = None
+    """Output height in pixels; unset: the family's rule from the first input image."""
+    image_sizes: list[list[int]] = []
+    """Written by the server: each input image's ``[width, height]`` (part of the batch key)."""
+    image_digests: list[str] = []
+    """Written by the server: each input image's SHA-256 (of its canonical PNG); part of the batch
+    key only for families whose diffusers call gives one set of input images to the whole batch."""
 
 
 class T2VParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
@@ -309,6 +324,14 @@ class DiffusersBatchPipeline(Pipeline):
         "output_compression",
     )
     """The encoder's quality only shapes each request's own file, so it never splits a batch."""
+    batch_shares_images: ClassVar[bool] = False
+    """The diffusers call takes one set of input images for the whole batch (FLUX.2's reference
+    images): only requests with the same images merge (their digests join the batch key)."""
+    min_images: ClassVar[int] = 0
+    """Fewest input images a request must send (an image-to-image family: 1)."""
+    max_images: ClassVar[int] = 0
+    """Most input images a request may send (0: the family takes none). A family with
+    ``max_images > 0`` also sets ``upload_fields = ("image",)`` and an ``I2IParams`` params type."""
     cp_plan: ClassVar[Any] = None
     """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
     naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
@@ -389,11 +412,37 @@ class DiffusersBatchPipeline(Pipeline):
     def validate(self, params) -> None:
         """Family-specific checks beyond ``prepare``'s (raise ``ValueError`` naming the field)."""
 
+    def batch_key(self, params) -> dict[str, Any]:
+        key = super().batch_key(params)
+        if not self.batch_shares_images:
+            key.pop("image_digests", None)
+        return key
+
+    def output_size(self, params, image_sizes: list[list[int]]) -> tuple[int, int]:
+        """An image-to-image request's output ``(width, height)`` when it sets none: the first input
+        image's size, rounded down to ``size_multiple``. A family whose diffusers pipeline derives
+        the size otherwise overrides this with the same rule, so the batch key holds the real size."""
+        width, height = image_sizes[0]
+        return (
+            max(self.size_multiple, width // self.size_multiple * self.size_multiple),
+            max(self.size_multiple, height // self.size_multiple * self.size_multiple),
+        )
+
     def prepare(self, params, uploads: dict[str, bytes]):
         if not params.prompt.strip():
             raise ValueError("prompt must not be empty")
         if len(params.prompt) > MAX_PROMPT_CHARS:
             raise ValueError(f"prompt is {len(params.prompt)} characters; at most {MAX_PROMPT_CHARS}")
+        sizes = images.check_images(uploads, family=self.family, min_images=self.min_images, max_images=self.max_images)
+        if self.max_images:
+            width, height = self.output_size(params, sizes) if sizes else (64, 64)
+            params = msgspec.structs.replace(
+                params,
+                image_sizes=sizes,
+                image_digests=[images.digest(uploads[name]) for name in images.image_uploads(uploads)],
+                width=params.width if params.width is not None else width,
+                height=params.height if params.height is not None else height,
+            )
         for field in ("width", "height"):
             value = getattr(params, field)
             if value < self.size_multiple or value > MAX_SIDE or value % self.size_multiple:
@@ -493,6 +542,11 @@ class DiffusersBatchPipeline(Pipeline):
             return {}
         return {"negative_prompt": [item.params.negative_prompt or self.default_negative_prompt for item in items]}
 
+    def image_kwargs(self, items: list[WorkItem]) -> dict[str, Any]:
+        """The diffusers arguments carrying a batch's input images (image-to-image families). Default:
+        ``image``, one RGB ``PIL.Image`` per request (its first input image)."""
+        return {"image": [images.load_images(item.uploads)[0] for item in items]}
+
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
         """The diffusers ``__call__`` arguments of a batch (all but the progress callback and
         ``return_dict``): one prompt and one CPU ``torch.Generator`` seeded by its request's seed per
@@ -500,6 +554,7 @@ class DiffusersBatchPipeline(Pipeline):
         return dict(
             prompt=[item.params.prompt for item in items],
             **self.negative_prompts(items),
+            **(self.image_kwargs(items) if self.max_images else {}),
             generator=[
                 torch.Generator(device=self.device if item.params.generator_device == "cuda" else "cpu").manual_seed(
                     item.params.seed
