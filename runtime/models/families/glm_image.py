@@ -29,9 +29,10 @@ negative prompt, so ``negative_prompt`` is refused.
 Batching: none (``max_batch_size = 1``). ``GlmImagePipeline`` samples the prior tokens of a whole
 batch in one ``generate`` call whose random stream is seeded from the first request's generator
 only, over left-padded prompts, and pads the glyph embeddings with unmasked zeros: a request's
-picture depends on what it was batched with (``tests/test_glm_image.py`` measures it; diffusers'
-own tests skip its batch tests for the same reason). Note that the pipeline reseeds torch's global
-generator (``torch.manual_seed``) from the request's seed before sampling.
+picture depends on what it was batched with (measured in ``tests/test_families.py``,
+``test_glm_image_serves_singletons_because_merging_changes_each_request``; diffusers' own tests
+skip its batch tests for the same reason). The pipeline also reseeds torch's global generator
+(``torch.manual_seed``) from the request's seed before sampling.
 
 Ranks: diffusers 0.42 declares no ``_cp_plan`` for ``GlmImageTransformer2DModel``, so ``cp_plan``
 is None and the family runs replicated only (DP); Ulysses and Ring are refused at start-up, as is
