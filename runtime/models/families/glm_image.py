@@ -1,8 +1,8 @@
 """GLM-Image text-to-image (``GlmImagePipeline``) and its built-in tiny checkpoint ``tiny/glm-image``.
 
 GLM-Image is a hybrid: an autoregressive vision-language model (``GlmImageForConditionalGeneration``,
-9B in the release, from GLM-4-9B) samples the picture as discrete image tokens, first a 16x16
-preview grid and then one token per 32x32 pixels; those prior tokens, upsampled 2x, condition a
+9B in the release, from GLM-4-9B) samples the picture as discrete image tokens, first a preview
+grid of about 16x16 and then one token per 32x32 pixels; those prior tokens, upsampled 2x, condition a
 single-stream diffusion transformer (``GlmImageTransformer2DModel``, one token per 2x2 latent
 patch of a 16-channel, 8x ``AutoencoderKL``) that denoises the latents, together with glyph
 embeddings: a ByT5 ``T5EncoderModel`` encodes the text quoted in the prompt ('...', "...", “...”,
