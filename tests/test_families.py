@@ -3,6 +3,8 @@
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
 Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6): batch shape may change kernels, the seeds do not change.
+GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
+batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
@@ -83,7 +86,9 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
     b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
     alone = pipe.run([WorkItem(job_id="alone", params=a)], ctx)[0]
-    pair = pipe.run([WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)], ctx)
+    items = [WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)]
+    size = min(len(items), pipe.max_batch_size)  # a singleton-only family (GLM-Image) runs them one by one
+    pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
     x, y, other = alone.tensors[kind], pair[0].tensors[kind], pair[1].tensors[kind]
     expected_shape = (3, 32, 32) if kind == "image" else (a.num_frames, 3, 32, 32)
@@ -92,7 +97,7 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     diff = (x - y).abs().max().item()
     assert diff <= BATCH_TOL, f"{name}: batched output differs from singleton by {diff:.3g}"
     assert (x - other).abs().max() > 0.01, "a different prompt and seed gave the same output"
-    assert pair[0].info["batch_size"] == 2
+    assert pair[0].info["batch_size"] == size
     # files: a readable PNG / MP4 of the requested size
     written = alone.files[0]
     if kind == "image":
@@ -183,6 +188,51 @@ def test_sd3_negative_prompt_changes_the_output_when_guidance_is_on(loaded):
     assert (same - out[0].tensors["image"]).abs().max() <= BATCH_TOL  # unset means "" (diffusers' default)
 
 
+# ---- GLM-Image -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_id", ["zai-org/GLM-Image", "GLM-Image"])
+def test_released_glm_image_ids_route_to_glm_image(model_id, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is GlmImageT2IPipeline
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is GlmImageT2IPipeline
+
+
+def test_glm_image_defaults_follow_the_model_card(loaded):
+    pipe, _ = loaded("tiny/glm-image")
+    p = pipe.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (30, 1.5)
+    assert pipe.guidance_on(p) and "negative_prompt" not in pipe.call_args([WorkItem(job_id="j", params=p)])
+    assert (pipe.size_multiple, pipe.max_batch_size, pipe.cp_plan) == (32, 1, None)
+
+
+def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded):
+    """Why ``max_batch_size = 1``: diffusers' ``GlmImagePipeline`` samples a batch's prior image
+    tokens in one ``generate`` call seeded from the first request's generator only (and over
+    left-padded prompts), so a merged request's picture depends on its batch mates."""
+    pipe, ctx = loaded("tiny/glm-image")
+    a = params_for(pipe, prompt="a red cat on a mat", seed=1, num_inference_steps=2, return_tensor=True)
+    b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, num_inference_steps=2)
+    items = [
+        WorkItem(job_id="a", params=a),
+        WorkItem(job_id="b", params=msgspec.structs.replace(b, return_tensor=True)),
+    ]
+    alone = [pipe.run([item], ctx)[0].tensors["image"] for item in items]
+    with torch.inference_mode():
+        merged = pipe.pipe(**pipe.call_args(items), return_dict=False)[0].float()
+    for i in range(2):
+        assert (merged[i] - alone[i]).abs().max() > 0.01, f"request {i} merged equals its singleton"
+
+    def prior_tokens(prompts: list[str], seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return pipe.pipe.generate_prior_tokens(prompt=prompts, height=64, width=64, generator=generator)[0]
+
+    second = [prior_tokens(["first", "second"], seed)[1] for seed in (1, 2)]
+    assert not torch.equal(*second)  # the second request's tokens follow the first one's seed
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -197,6 +247,10 @@ def test_sd3_negative_prompt_changes_the_output_when_guidance_is_on(loaded):
         ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used"),
         ("tiny/sd3", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by sd3"),
         ("tiny/sd3", {"width": 1552}, "width must be at most 1536 for sd3"),
+        ("tiny/glm-image", {"width": 48}, "width must be a multiple of 32"),
+        ("tiny/glm-image", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by glm-image"),
+        ("tiny/glm-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by glm-i"),
+        ("tiny/glm-image", {"max_sequence_length": 4096}, "max_sequence_length must be in 1..2048"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],

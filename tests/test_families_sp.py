@@ -30,8 +30,8 @@ FAMILIES = {
     name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items() if cls.cp_plan is not None
 }
 """Built-in name → ``"module:Class"`` of every tiny diffusers family with a context-parallel plan (what
-the ranks import). A family without one (``tiny/sd3``: diffusers ships no ``_cp_plan`` for
-``SD3Transformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
+the ranks import). A family without one (``tiny/sd3``, ``tiny/glm-image``: diffusers ships no ``_cp_plan``
+for ``SD3Transformer2DModel`` or ``GlmImageTransformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
 (``tests/test_refuse_settings.py``; ``test_families_without_a_plan_refuse_sequence_parallel`` below)."""
 
 REQUESTS = (
@@ -276,7 +276,7 @@ def test_families_without_a_plan_refuse_sequence_parallel():
     from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 
     unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
-    assert set(unplanned) == {"tiny/sd3"}
+    assert set(unplanned) == {"tiny/sd3", "tiny/glm-image"}
     for name, cls in unplanned.items():
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
             with pytest.raises(UnsupportedSettingError, match="not supported by"):

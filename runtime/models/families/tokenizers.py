@@ -1,14 +1,15 @@
 """Offline tokenizers for the built-in tiny checkpoints: the real transformers classes, tiny vocabularies.
 
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
-(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``) directly from an in-memory
+(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, GLM-Image's byte-level BPE) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
 on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
-``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``.
+``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``. (ByT5, GLM-Image's
+glyph tokenizer, needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built offline as it is.)
 """
 
 from __future__ import annotations
@@ -45,6 +46,26 @@ QWEN_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 """A Qwen-style chat template (the Z-Image pipeline formats prompts with ``apply_chat_template``)."""
+
+
+# ---- GLM-Image's autoregressive model (byte-level BPE; image codebook ids first) ----------
+GLM_IMAGE_SPECIAL = ["<|endoftext|>", "<sop>", "<eop>", "<|image|>"]
+"""Padding, the grid-shape brackets (``<sop>H W<eop>``) and the source-image placeholder."""
+
+GLM_IMAGE_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}{%- if m.content is string -%}{{ m.content }}{%- else -%}"
+    "{%- for item in m.content -%}"
+    "{%- if item.type == 'image' -%}{{ bos_token }}<|image|>{{ eos_token }}"
+    "{%- elif item.type == 'text' -%}{{ item.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{%- endfor -%}"
+)
+"""GLM-Image's prompt format: the text as is, a source image as ``<image start><|image|><image end>``
+(``GlmImageProcessor`` then appends the target grids and the image-start token)."""
+
+
+def glm_image_vocab_size(codebook_size: int) -> int:
+    """Size of ``glm_image_tokenizer(codebook_size)``'s vocabulary."""
+    return codebook_size + 2 + len(GLM_IMAGE_SPECIAL) + 256
 
 
 def _byte_alphabet() -> list[str]:
@@ -90,4 +111,30 @@ def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right")
         additional_special_tokens=QWEN_SPECIAL[1:],
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def glm_image_tokenizer(*, codebook_size: int):
+    """GLM-Image's processor tokenizer, laid out as the released one: ids ``0..codebook_size-1`` are
+    the image tokens ``<|dit_token_N|>``, the next two the image start (``bos_token``) and end
+    (``eos_token``), then the special tokens and one token per byte. Left padding, the processor's
+    named tokens (``image_token``, ``grid_bos_token``, ``grid_eos_token``) and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    image_tokens = [f"<|dit_token_{i}|>" for i in range(codebook_size + 2)]
+    vocab = {tok: i for i, tok in enumerate(image_tokens + GLM_IMAGE_SPECIAL + _byte_alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    pad, grid_bos, grid_eos, image = GLM_IMAGE_SPECIAL
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=image_tokens[codebook_size],
+        eos_token=image_tokens[codebook_size + 1],
+        pad_token=pad,
+        padding_side="left",
+        extra_special_tokens={"image_token": image, "grid_bos_token": grid_bos, "grid_eos_token": grid_eos},
+    )
+    tokenizer.chat_template = GLM_IMAGE_CHAT_TEMPLATE
     return tokenizer
