@@ -26,6 +26,9 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.flux:FluxT2IPipeline",
     "tilecast.runtime.models.families.released:RandomFluxT2IPipeline",
     "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
+    # Edit Plus first: its hints (qwen-image-edit-2509, ...) are more specific than Edit's qwen-image-edit
+    "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditPlusI2IPipeline",
+    "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditI2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
     "tilecast.runtime.models.families.glm_image:GlmImageT2IPipeline",

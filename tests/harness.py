@@ -50,6 +50,34 @@ def tiny_families() -> dict[str, type]:
     }
 
 
+TORCHVISION_REASON = (
+    "transformers 5 loads a Qwen2VLProcessor (the Qwen image-edit families' checkpoints) only with "
+    "torchvision, and CI's pinned CPU torch has none that imports beside it (PyPI's wheels fail: "
+    "'operator torchvision::nms does not exist'); run these tests where torchvision imports"
+)
+"""Why the tests of a family with ``required_modules = ("torchvision",)`` skip where it is missing."""
+
+
+def skip_without_required_modules(cls) -> None:
+    """Skip the calling test when ``cls`` (a pipeline class) needs a module this interpreter cannot
+    import (``DiffusersBatchPipeline.required_modules``), naming the module and why it is needed."""
+    import pytest
+
+    missing = getattr(cls, "missing_modules", dict)()
+    if missing:
+        why = TORCHVISION_REASON if "torchvision" in missing else "needed by the family"
+        pytest.skip(f"{cls.__name__} needs {', '.join(missing)} ({'; '.join(missing.values())}): {why}")
+
+
+def sample_uploads(pipe) -> dict[str, bytes]:
+    """The uploads of a family test's request: ``pipe.sample_images()`` as ``image.0``, ... (none for
+    text-to-image / text-to-video families)."""
+    from tilecast.runtime.models.families import images
+
+    pictures = pipe.sample_images() if hasattr(pipe, "sample_images") else []
+    return dict(zip(images.upload_names(len(pictures)), pictures))
+
+
 def make_context(
     output_dir: str | Path = ".",
     *,

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.harness import make_context, tiny_families
+from tests.harness import make_context, sample_uploads, skip_without_required_modules, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
@@ -49,7 +49,12 @@ def loaded(tiny_cache, tmp_path_factory):
 def params_for(pipe, **fields):
     fields.setdefault("width", 32)
     fields.setdefault("height", 32)
-    return pipe.prepare(pipe.params_type(**fields), {})
+    return pipe.prepare(pipe.params_type(**fields), sample_uploads(pipe))
+
+
+def work(pipe, job_id: str, params) -> WorkItem:
+    """A ``WorkItem`` with the family's sample input images (an image-to-image family; none otherwise)."""
+    return WorkItem(job_id=job_id, params=params, uploads=sample_uploads(pipe))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -71,6 +76,7 @@ def test_tiny_checkpoint_is_byte_identical_on_every_build(tiny_cache, tmp_path):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_builtin_name_and_checkpoint_directory_route_to_the_family(name, tiny_cache):
     cls = FAMILIES[name]
+    skip_without_required_modules(cls)
     assert resolve_pipeline(name) is cls
     directory = cls.checkpoint.ensure(tiny_cache)
     assert json.loads((directory / "model_index.json").read_text())["_class_name"] == cls.diffusers_class
@@ -82,11 +88,13 @@ def test_builtin_name_and_checkpoint_directory_route_to_the_family(name, tiny_ca
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
+    skip_without_required_modules(FAMILIES[name])
     pipe, ctx = loaded(name)
-    a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
-    b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
-    alone = pipe.run([WorkItem(job_id="alone", params=a)], ctx)[0]
-    items = [WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)]
+    steps = dict(num_inference_steps=2)  # enough to compare; a card's default (50 on Qwen-Image-Edit) is not
+    a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True, **steps)
+    b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True, **steps)
+    alone = pipe.run([work(pipe, "alone", a)], ctx)[0]
+    items = [work(pipe, "a", a), work(pipe, "b", b)]
     size = min(len(items), pipe.max_batch_size)  # a singleton-only family (GLM-Image) runs them one by one
     pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
@@ -127,10 +135,14 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
 
     import diffusers
 
-    pipe, ctx = loaded(name)
+    from tilecast.runtime.models.families import images
+
     cls = FAMILIES[name]
+    skip_without_required_modules(cls)
+    pipe, ctx = loaded(name)
     params = params_for(pipe, prompt="a lighthouse at dusk", seed=5, num_inference_steps=2, return_tensor=True)
-    ours = pipe.run([WorkItem(job_id="ours", params=params)], ctx)[0].tensors[pipe.output_kind]
+    item = work(pipe, "ours", params)
+    ours = pipe.run([item], ctx)[0].tensors[pipe.output_kind]
 
     direct = getattr(diffusers, cls.diffusers_class).from_pretrained(str(cls.checkpoint.ensure(tiny_cache)))
     direct.set_progress_bar_config(disable=True)
@@ -151,6 +163,9 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["max_sequence_length"] = cls.max_sequence_length
     if pipe.output_kind == "video":
         kwargs["num_frames"] = params.num_frames
+    if item.uploads:  # an image-to-image family: its input images as diffusers' load_image gives them
+        pictures = images.load_images(item.uploads)
+        kwargs["image"] = pictures[0] if len(pictures) == 1 else pictures
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape
@@ -356,15 +371,16 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
 
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
+    skip_without_required_modules(FAMILIES[name])
     eager, ctx = loaded(name)
     compiled = FAMILIES[name].load(name, make_context(tmp_path, dtype="float32", compile=True))
     blocks = [
         m for m in compiled.pipe.transformer.modules() if type(m).__name__ in compiled.pipe.transformer._repeated_blocks
     ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
-    params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True)
-    expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]
-    got = compiled.run([WorkItem(job_id="compiled", params=params)], ctx)[0].tensors[eager.output_kind]
+    params = params_for(eager, prompt="a quiet harbour", seed=4, num_inference_steps=2, return_tensor=True)
+    expected = eager.run([work(eager, "eager", params)], ctx)[0].tensors[eager.output_kind]
+    got = compiled.run([work(eager, "compiled", params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4
 
 

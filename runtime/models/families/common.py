@@ -332,6 +332,10 @@ class DiffusersBatchPipeline(Pipeline):
     max_images: ClassVar[int] = 0
     """Most input images a request may send (0: the family takes none). A family with
     ``max_images > 0`` also sets ``upload_fields = ("image",)`` and an ``I2IParams`` params type."""
+    required_modules: ClassVar[tuple[str, ...]] = ()
+    """Python modules the family needs beyond tilecast's own dependencies (the Qwen image-edit
+    families: ``torchvision``, without which transformers loads no ``Qwen2VLProcessor``); ``load``
+    and ``ensure_builtin`` refuse to start without them, naming them."""
     cp_plan: ClassVar[Any] = None
     """The transformer's context-parallel plan (diffusers' ``_cp_plan`` form), or ``"module:attr"``
     naming it or a function returning it; applied by ``load`` when the ranks run Ulysses or Ring
@@ -354,8 +358,33 @@ class DiffusersBatchPipeline(Pipeline):
 
     # ---------------------------------------------------------------- loading
     @classmethod
+    def missing_modules(cls) -> dict[str, str]:
+        """The ``required_modules`` this interpreter cannot import -> why (an import that fails with
+        something other than ``ImportError``, as a torchvision built for another torch, counts too)."""
+        missing = {}
+        for name in cls.required_modules:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any failure to import means the module is unusable
+                missing[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return missing
+
+    @classmethod
+    def check_required_modules(cls) -> None:
+        """``UnsupportedSettingError`` naming each of ``required_modules`` that cannot be imported."""
+        if missing := cls.missing_modules():
+            raise UnsupportedSettingError(
+                f"{cls.family} needs {', '.join(missing)} ("
+                + "; ".join(f"{name}: {why}" for name, why in missing.items())
+                + "): install the build matching your torch"
+            )
+
+    @classmethod
     def ensure_builtin(cls, cache_dir: Path | None = None) -> Path | None:
-        return None if cls.checkpoint is None else cls.checkpoint.ensure(cache_dir)
+        if cls.checkpoint is None:
+            return None
+        cls.check_required_modules()
+        return cls.checkpoint.ensure(cache_dir)
 
     @classmethod
     def resolve_path(cls, model_path: str) -> Path:
@@ -387,6 +416,7 @@ class DiffusersBatchPipeline(Pipeline):
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":
         cls.check_settings(ctx.settings, model_path)  # on every rank, before any weight is read
+        cls.check_required_modules()
         if ctx.settings.lora_enabled and importlib.util.find_spec("peft") is None:
             raise UnsupportedSettingError(
                 "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
@@ -583,9 +613,15 @@ class DiffusersBatchPipeline(Pipeline):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
 
+    def sample_images(self) -> list[bytes]:
+        """``min_images`` small deterministic input pictures (PNG): what ``health_request`` sends to an
+        image-to-image family, and the input of the family tests' requests. None for T2I / T2V."""
+        return [images.sample_png(48, 32, seed=index) for index in range(self.min_images)]
+
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """One denoising step at the request defaults' size."""
-        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+        """One denoising step at the request defaults' size (an image-to-image family: on ``sample_images``)."""
+        uploads = {"image": self.sample_images()} if self.min_images else {}
+        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, uploads
 
     def use_lora(self, params) -> None:
         """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/

@@ -124,3 +124,21 @@ def load_images(uploads: dict[str, bytes]) -> list:
     from PIL import Image
 
     return [Image.open(io.BytesIO(uploads[name])).convert("RGB") for name in image_uploads(uploads)]
+
+
+def sample_png(width: int, height: int, *, seed: int = 0) -> bytes:
+    """A deterministic test picture (a colour gradient, a white square, ``seed`` in the blue channel)
+    as PNG bytes: the built-in input of health checks and family tests."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    blue = (seed * 67) % 256
+    image.putdata(
+        [
+            (x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), blue)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
+    image.paste((255, 255, 255), (width // 4, height // 4, width // 2, height // 2))
+    return png_bytes(image)

@@ -36,6 +36,12 @@ T5_VOCAB_SIZE = len(_T5_SPECIAL) + len(_T5_PIECES)
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 """Special tokens of the Qwen chat format (the pipelines' prompt templates use them)."""
 QWEN_VOCAB_SIZE = 256 + len(QWEN_SPECIAL)
+QWEN_VISION_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Qwen2-VL's vision tokens (``qwen_tokenizer(vision=True)``): an image's span in the prompt and its
+placeholder, which ``Qwen2VLProcessor`` expands to one token per merged patch."""
+QWEN_VL_VOCAB_SIZE = QWEN_VOCAB_SIZE + len(QWEN_VISION_SPECIAL)
+"""Vocabulary of ``qwen_tokenizer(vision=True)``: the vision tokens follow the chat ones (ids
+``QWEN_VOCAB_SIZE``.., so every other id is what ``qwen_tokenizer()`` gives)."""
 
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -98,8 +104,11 @@ def t5_tokenizer(*, model_max_length: int = 512):
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
 
 
-def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right"):
-    """A ``Qwen2Tokenizer`` with one token per byte plus the chat special tokens (Qwen-Image, Z-Image)."""
+def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right", vision: bool = False):
+    """A ``Qwen2Tokenizer`` with one token per byte plus the chat special tokens (Qwen-Image, Z-Image);
+    ``vision=True`` appends Qwen2-VL's vision tokens (``QWEN_VISION_SPECIAL``: the image-editing
+    families' ``Qwen2VLProcessor``). Without it the tokenizer is exactly the one the text-only
+    checkpoints were built with."""
     from transformers import Qwen2Tokenizer
 
     vocab = {sym: i for i, sym in enumerate(_byte_alphabet())}
@@ -108,7 +117,7 @@ def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right")
         merges=[],
         model_max_length=model_max_length,
         padding_side=padding_side,
-        additional_special_tokens=QWEN_SPECIAL[1:],
+        additional_special_tokens=QWEN_SPECIAL[1:] + (QWEN_VISION_SPECIAL if vision else []),
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
