@@ -14,9 +14,11 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.harness import skip_without_required_modules
 from tilecast.client import Client, JobFailedError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
+from tilecast.runtime.models.families import images
 from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -129,10 +131,15 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/sd3", {}, "image/png"),
         ("tiny/glm-image", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
+        # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 gives NaN on
+        # Qwen-Image's schedule). Edit Plus serves one request per call.
+        ("tiny/qwen-image-edit", {"image": images.sample_png(48, 32), "num_inference_steps": 2}, "image/png"),
+        ("tiny/qwen-image-edit-2511", {"image": images.sample_png(48, 32), "num_inference_steps": 2}, "image/png"),
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
-    size = min(2, resolve_pipeline(model).max_batch_size)  # GLM-Image serves one request at a time
+    skip_without_required_modules(resolve_pipeline(model))  # the Qwen image-edit rows need torchvision
+    size = min(2, resolve_pipeline(model).max_batch_size)  # GLM-Image, Edit Plus: one request at a time
     with serve(model, delay_ms=200.0) as (_server, client):
         pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **SMALL, **extra) for i in range(2)])
         single = client.generate(prompt="alone", timeout=60.0, **SMALL, **extra)
