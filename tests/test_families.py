@@ -2,9 +2,14 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6): batch shape may change kernels, the seeds do not change.
-GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
-batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, Qwen-Image-Edit ~8e-7): batch shape may change kernels,
+the seeds do not change. GLM-Image is served one request at a time (``max_batch_size = 1``): a merged
+``GlmImagePipeline`` batch changes every request's picture
+(``test_glm_image_serves_singletons_because_merging_changes_each_request``); so is Edit Plus, whose
+diffusers pipeline takes one prompt per call (``tests/test_image_edit.py``).
+
+Image-to-image families get their ``sample_images()`` as input; a family whose ``required_modules``
+cannot be imported (the Qwen image-edit families without torchvision) is skipped, saying why.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed import one_thread, run_ranks
-from tests.harness import tiny_families
+from tests.harness import sample_uploads, skip_without_required_modules, tiny_families
 
 SP_TOL = 1e-4
 """Max abs difference between a request's output in an SP batch and its 1-rank singleton output."""
@@ -76,11 +76,13 @@ def _context(rank: int, world_size: int, output_dir, groups, ulysses: int = 1, r
 def _generate(pipeline, ctx, requests: list[dict], fields: dict) -> list[torch.Tensor]:
     from tilecast.runtime.pipeline import WorkItem
 
-    items = [
-        WorkItem(job_id=f"j{i}", params=pipeline.prepare(pipeline.params_type(**request, **fields), {}))
-        for i, request in enumerate(requests)
-    ]
-    return list(pipeline.generate(items, ctx))
+    items = []
+    for i, request in enumerate(requests):
+        uploads = sample_uploads(pipeline)  # an image-to-image family's input images
+        params = pipeline.prepare(pipeline.params_type(**request, **fields), uploads)
+        items.append(WorkItem(job_id=f"j{i}", params=params, uploads=uploads))
+    size = pipeline.max_batch_size  # a singleton-only family (Edit Plus) runs them one by one
+    return [out for start in range(0, len(items), size) for out in pipeline.generate(items[start : start + size], ctx)]
 
 
 def _record_kernel_calls() -> list:
@@ -161,6 +163,7 @@ def _reference(name, tiny_cache, tmp_path_factory, fields):
 
 
 def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
+    skip_without_required_modules(_pipeline_class(name))
     fields = _fields(name, ulysses * ring)
     _pipeline_class(name).checkpoint.ensure(tiny_cache)  # built once, here, before the ranks start
     references, ref_calls, ref_queries = _reference(name, tiny_cache, tmp_path_factory, fields)
@@ -267,6 +270,8 @@ def test_plan_paths_and_input_names_are_checked():
     assert streams == {
         "tiny/flux": "hidden_states",
         "tiny/qwen-image": "hidden_states",
+        "tiny/qwen-image-edit": "hidden_states",
+        "tiny/qwen-image-edit-2511": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
     }
