@@ -31,6 +31,13 @@ sizing all of them from the first image, so requests merge when their images hav
 (``image_sizes`` is in the batch key); a merged request equals its singleton within 1e-4
 (``tests/test_image_edit.py``). ``QwenImageEditPlusPipeline`` refuses more than one prompt per call
 (diffusers: "currently only supports batch_size=1"), so Edit Plus is served one request at a time.
+
+Ranks: diffusers' ``QwenImageTransformer2DModel._cp_plan`` splits the noise and input-image tokens
+(and 2511's ``modulate_index``) over the Ulysses / Ring ranks; 2 and 4 ranks match one rank within
+1.3e-6 (``tests/test_families_sp.py``).
+
+Not served here: Qwen-Image-Layered (``QwenImageLayeredPipeline``), which takes an RGBA image and
+returns several RGBA layers per request at a 640 / 1024 resolution bucket.
 """
 
 from __future__ import annotations
