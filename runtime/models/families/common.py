@@ -164,6 +164,16 @@ class T2VParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
     """Also return the raw float output (``[0, 1]``, ``FxCxHxW``) as tensor ``video``."""
 
 
+class I2VParams(T2VParams, forbid_unknown_fields=True, kw_only=True):
+    """An image-to-video request: ``T2VParams`` plus input images (the first frame, and for some
+    models a last frame), sent as uploads ``image.0``, ``image.1`` (``families.images``)."""
+
+    image_sizes: list[list[int]] = []
+    """Written by the server: each input image's ``[width, height]`` (part of the batch key)."""
+    image_digests: list[str] = []
+    """Written by the server: each input image's SHA-256 (see ``I2IParams``)."""
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 # Weight init draws from the global torch RNG: one build per process at a time.
 _BUILD_LOCK = threading.Lock()
