@@ -31,7 +31,8 @@ FAMILIES = {
 }
 """Built-in name → ``"module:Class"`` of every tiny diffusers family with a context-parallel plan (what
 the ranks import). A family without one (``tiny/sd3``: diffusers ships no ``_cp_plan`` for
-``SD3Transformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
+``SD3Transformer2DModel``; ``tiny/sana-1.5-1.6b``: linear attention and a convolutional FFN, see
+``families/sana.py``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
 (``tests/test_refuse_settings.py``; ``test_families_without_a_plan_refuse_sequence_parallel`` below)."""
 
 REQUESTS = (
@@ -276,7 +277,7 @@ def test_families_without_a_plan_refuse_sequence_parallel():
     from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 
     unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
-    assert set(unplanned) == {"tiny/sd3"}
+    assert set(unplanned) == {"tiny/sd3", "tiny/sana-1.5-1.6b"}  # sana: linear attention + conv FFN (sana.py)
     for name, cls in unplanned.items():
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
             with pytest.raises(UnsupportedSettingError, match="not supported by"):

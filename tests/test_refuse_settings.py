@@ -25,6 +25,7 @@ from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
 from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
@@ -38,6 +39,7 @@ PIPELINES = {
     "tiny/z-image-turbo": ZImageT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
+    "tiny/sana-1.5-1.6b": SanaT2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)
