@@ -25,20 +25,30 @@ the checkpoint's own resolution, ``sample_size x 32`` from its transformer confi
 (multiples of 32): diffusers' aspect-ratio binning, which would generate at the nearest trained
 shape and resize, is off, so a request's pixels are the ones denoised.
 
-Ranks: ``cp_plan`` is None (DP only; Ulysses and Ring are refused at start-up). A token split
-would need more than a plan's split and gather hooks: SANA's self-attention is linear (each
-query reads sums over *all* keys, ``K^T V`` and ``sum K``: an all-reduce, neither Ulysses' head
-exchange nor Ring's softmax merge, which tilecast's attention kernels run), and the Mix-FFN
-unflattens the tokens to the full ``height x width`` grid for a 3x3 convolution, which on a shard
-needs the neighbours' boundary rows (a halo exchange) and the shard's own height.
+Ranks: ``sana_cp_plan`` splits the image tokens over the Ulysses x Ring ranks at the first block
+and gathers them after ``proj_out``; the text stays whole on every rank. Two parts of a SANA block
+need more than a plan's split and gather: the self-attention is linear, so each query reads sums
+over *all* keys (``K^T V`` and ``sum K``): ``sp_attention.SanaLinearSequenceParallelProcessor``
+all-reduces them (neither Ulysses' head exchange nor Ring's softmax merge); and the Mix-FFN
+reshapes the tokens to the ``height x width`` grid for a 3x3 depthwise convolution, so on a shard
+it needs the rows around its tokens: ``install_sequence_parallel_ffn`` fetches the neighbouring
+shards' edge tokens (two rows' worth, one all-gather each way) and convolves the shard's rows
+plus one row above and below (shards of two rows or less gather the whole sequence instead).
+Cross-attention runs on the local queries. Padded tokens (token counts that do not divide the
+degree) add nothing to the sums and are outside every convolution. The Ulysses and Ring degrees
+only size the group here; the Ulysses degree must still divide the heads, as for every family
+(70 on the 1.6B and 4.8B transformers, 36 on the 600M). Not measured on GPUs: the all-gathers
+of edge rows are small, the all-reduce is ``heads x (D+1) x D`` per attention layer.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import msgspec
+import torch
 
 from tilecast.runtime.models.families import common, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
@@ -114,6 +124,81 @@ TINY_SANA = TinyCheckpoint(
 )
 
 
+def sana_cp_plan() -> dict:
+    """``SanaTransformer2DModel``'s context-parallel plan, in diffusers' ``_cp_plan`` form (diffusers
+    ships none for SANA): the image tokens are split entering the first block and gathered after
+    the output projection (the smallest tensor). It runs with ``install_sequence_parallel_ffn``
+    (the Mix-FFN's convolution) and SANA's processors in ``sp_attention`` (see the module docstring)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return {
+        "transformer_blocks.0": {
+            "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+        },
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def install_sequence_parallel_ffn(transformer, state) -> None:
+    """Make every block's Mix-FFN run on this rank's token shard (``state``: the transformer's
+    ``SequenceState``). Each block's ``height``/``width`` arguments become ``1 x shard length`` (the
+    block reshapes its shard with them) and its ``ff`` learns the true grid from them; the ``ff``'s
+    own forward then runs on the rows around the shard (``_shard_ffn``)."""
+    for block in transformer.transformer_blocks:
+        grid: dict[str, int] = {}
+
+        def pre_hook(module, args, kwargs, grid=grid):
+            args = list(args)
+            local_len = (args[0] if args else kwargs["hidden_states"]).shape[1]
+            for index, name, value in ((5, "height", 1), (6, "width", local_len)):
+                if name in kwargs:
+                    grid[name], kwargs[name] = kwargs[name], value
+                else:
+                    grid[name], args[index] = args[index], value
+            return tuple(args), kwargs
+
+        block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        block.ff.forward = functools.partial(_shard_ffn, block.ff, grid, state)
+
+
+def _shard_ffn(ff, grid: dict[str, int], state, x_BC1L: torch.Tensor) -> torch.Tensor:
+    """``ff`` (``GLUMBConv``: 1x1, depthwise 3x3, 1x1 convolutions) on this rank's ``L`` tokens of
+    the ``height x width`` grid, given as ``(B, C, 1, L)``. Runs ``ff``'s own forward on the full
+    rows from one above the shard's first token to one below its last (zero rows at the image's
+    edges, as the convolution's padding), then keeps the shard's tokens; padded tokens get zeros."""
+    height, width = grid["height"], grid["width"]
+    tokens_BLC = x_BC1L.flatten(2).transpose(1, 2)
+    batch, local_len, _ = tokens_BLC.shape
+    window_BWC, window_start = _window(tokens_BLC, width, state)
+    start, true_len = state.parallel.sp_rank * local_len, height * width
+    real = max(0, min(local_len, true_len - start))
+    out_BLC = tokens_BLC.new_zeros(batch, local_len, ff.conv_point.out_channels)
+    if real:
+        first_row, last_row = max(start // width - 1, 0), min((start + real - 1) // width + 1, height - 1)
+        rows_BLC = window_BWC[:, first_row * width - window_start : (last_row + 1) * width - window_start]
+        rows_BCHW = rows_BLC.unflatten(1, (last_row - first_row + 1, width)).permute(0, 3, 1, 2)
+        done_BLC = type(ff).forward(ff, rows_BCHW).flatten(2).transpose(1, 2)
+        offset = start - first_row * width
+        out_BLC[:, :real] = done_BLC[:, offset : offset + real]
+    return out_BLC.transpose(1, 2).unsqueeze(2)
+
+
+def _window(tokens_BLC: torch.Tensor, width: int, state) -> tuple[torch.Tensor, int]:
+    """This rank's tokens with up to two rows of the neighbouring shards' tokens on each side, and
+    the global index of the first. Every rank issues the same all-gathers (shard lengths are equal)."""
+    from tilecast.kernels.collectives import gather_sequence
+
+    parallel, local_len = state.parallel, tokens_BLC.shape[1]
+    num, rank, edge = parallel.sp_size, parallel.sp_rank, min(tokens_BLC.shape[1], 2 * width)
+    heads_BNC = gather_sequence(tokens_BLC[:, :edge], 1, parallel, num * edge)
+    if edge == local_len:  # shards of at most two rows: the heads are the whole sequence
+        return heads_BNC, 0
+    tails_BNC = gather_sequence(tokens_BLC[:, local_len - edge :], 1, parallel, num * edge)
+    before = tails_BNC[:, (rank - 1) * edge : rank * edge] if rank > 0 else tokens_BLC[:, :0]
+    after = heads_BNC[:, (rank + 1) * edge : (rank + 2) * edge] if rank < num - 1 else tokens_BLC[:, :0]
+    return torch.cat([before, tokens_BLC, after], dim=1), rank * local_len - before.shape[1]
+
+
 class SanaT2IParams(T2IParams, forbid_unknown_fields=True, kw_only=True):
     """A SANA request: ``T2IParams`` whose size defaults to the checkpoint's own resolution."""
 
@@ -147,6 +232,16 @@ class SanaT2IPipeline(DiffusersBatchPipeline):
     default_guidance = 4.5
     max_sequence_length = 300
     """``SanaPipeline``'s text window after the complex human instruction (diffusers' default, as trained)."""
+    cp_plan = f"{__name__}:sana_cp_plan"
+
+    @classmethod
+    def load(cls, model_path: str, ctx) -> "SanaT2IPipeline":
+        """The base ``load``; under Ulysses / Ring the Mix-FFN also learns to run on a token shard."""
+        pipeline = super().load(model_path, ctx)
+        state = getattr(pipeline.pipe.transformer, "_tilecast_sequence_parallel", None)
+        if state is not None:
+            install_sequence_parallel_ffn(pipeline.pipe.transformer, state)
+        return pipeline
 
     def __init__(self, pipe, ctx) -> None:
         super().__init__(pipe, ctx)
