@@ -29,6 +29,7 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
     "tilecast.runtime.models.families.glm_image:GlmImageT2IPipeline",
+    "tilecast.runtime.models.families.sana:SanaT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )

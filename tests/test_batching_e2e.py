@@ -128,6 +128,7 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/z-image-turbo", {}, "image/png"),
         ("tiny/sd3", {}, "image/png"),
         ("tiny/glm-image", {}, "image/png"),
+        ("tiny/sana-1.5-1.6b", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
     ],
 )

@@ -2,7 +2,7 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6): batch shape may change kernels, the seeds do not change.
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7): batch shape may change kernels, the seeds do not change.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
 """
@@ -21,6 +21,7 @@ from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
+from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
@@ -277,6 +278,56 @@ def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded
     assert not torch.equal(*second)  # the second request's tokens follow the first one's seed
 
 
+# ---- SANA / SANA 1.5 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
+        "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
+        "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+        "Efficient-Large-Model/Sana_600M_1024px_diffusers",
+        "Efficient-Large-Model/Sana_1600M_512px_diffusers",
+        "Efficient-Large-Model/Sana_600M_512px_diffusers",
+    ],
+)
+def test_released_sana_ids_route_to_sana(model_id, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is SanaT2IPipeline
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is SanaT2IPipeline
+
+
+def test_sana_defaults_follow_the_cards_and_the_size_the_checkpoint(loaded):
+    from types import SimpleNamespace
+
+    pipe, ctx = loaded("tiny/sana-1.5-1.6b")
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (20, 4.5) and pipe.guidance_on(p)
+    assert (p.width, p.height) == (64, 64)  # the tiny transformer's sample_size 2 x DC-AE's 32
+    kwargs = pipe.call_kwargs(p)
+    assert kwargs["max_sequence_length"] == 300 and kwargs["use_resolution_binning"] is False
+    assert (pipe.prepare(pipe.params_type(prompt="x", width=96), {}).width, p.height) == (96, 64)
+    for sample_size, size in ((32, 1024), (16, 512)):  # the released configs: 1024px and 512px rows
+        transformer = SimpleNamespace(config=SimpleNamespace(sample_size=sample_size), dtype=torch.float32)
+        released = SanaT2IPipeline(SimpleNamespace(transformer=transformer, vae_scale_factor=32), ctx)
+        assert released.native_size == size
+    tokenizer = pipe.pipe.tokenizer  # Gemma's conventions, which SanaPipeline's text window relies on
+    assert tokenizer("a b").input_ids[0] == tokenizer.bos_token_id and tokenizer.pad_token_id == 0
+
+
+def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
+    pipe, ctx = loaded("tiny/sana-1.5-1.6b")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+    assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -295,6 +346,12 @@ def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded
         ("tiny/glm-image", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by glm-image"),
         ("tiny/glm-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by glm-i"),
         ("tiny/glm-image", {"max_sequence_length": 4096}, "max_sequence_length must be in 1..2048"),
+        ("tiny/sana-1.5-1.6b", {"width": 48}, "width must be a multiple of 32"),
+        (
+            "tiny/sana-1.5-1.6b",
+            {"guidance_scale": 1.0, "negative_prompt": "x"},
+            "negative_prompt cannot be used by sana",
+        ),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],

@@ -9,8 +9,11 @@ padded keys left unmasked the difference is ~2e-3, so the tolerance tells them a
 
 The token sequences do not divide by the degree: 48 x 48 pixels give 3 x 3 2x2-packed latent
 tokens on FLUX and Qwen-Image (9), 2 x 3 x 3 on Wan with 5 frames (18, on 4 ranks) and 1 x 3 x 3
-with 1 frame (9, on 2 ranks); prompts of different lengths give Qwen-Image a text mask and
-Z-Image batch padding, so the padding and the models' own masks are both exercised.
+with 1 frame (9, on 2 ranks); SANA (32x autoencoder, 1x1 patches) gets 96 x 224 pixels, a 7 x 3
+grid (21 tokens: 11 per rank on 2 ranks, whose Mix-FFN reads the other shard's edge rows; 6 on 4);
+prompts of different lengths give Qwen-Image a text mask and Z-Image batch padding, so the
+padding and the models' own masks are both exercised (SANA's padded keys unmasked: ~2e-3; its
+neighbour rows zeroed: ~3e-3).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def _fields(name: str, world: int) -> dict:
     """48 x 48 pixels: 3 x 3 latent tokens after the VAE's 8x and the 2x2 patches (odd); Wan: one
     latent frame on 2 ranks (9 tokens), two on 4 ranks (18 tokens, padded to 20)."""
     fields = dict(width=48, height=48, num_inference_steps=2, return_tensor=True)
+    if name == "tiny/sana-1.5-1.6b":  # DC-AE's 32x, 1x1 patches: 7 rows of 3 tokens (2 ranks: 11 each, 4: 6)
+        fields.update(width=96, height=224)
     if name == "tiny/wan2.1-t2v":
         fields["num_frames"] = 1 if world == 2 else 5
     return fields
@@ -269,6 +274,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/qwen-image": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
+        "tiny/sana-1.5-1.6b": "hidden_states",
     }
 
 

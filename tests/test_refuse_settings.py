@@ -26,6 +26,7 @@ from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeli
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
 from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
@@ -40,6 +41,7 @@ PIPELINES = {
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
     "tiny/glm-image": GlmImageT2IPipeline,
+    "tiny/sana-1.5-1.6b": SanaT2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

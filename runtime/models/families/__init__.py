@@ -9,6 +9,7 @@ built-in name          family          task    diffusers pipeline
 ``tiny/z-image-turbo`` z-image-turbo   t2i     ``ZImagePipeline`` (Z-Image-Turbo)
 ``tiny/sd3``           sd3             t2i     ``StableDiffusion3Pipeline`` (SD3 Medium, SD3.5)
 ``tiny/glm-image``     glm-image       t2i     ``GlmImagePipeline`` (GLM-Image; one request at a time)
+``tiny/sana-1.5-1.6b`` sana            t2i     ``SanaPipeline`` (SANA 1.5 1.6B / 4.8B, SANA 1600M / 600M)
 ``tiny/wan2.1-t2v``    wan2.1-t2v      t2v     ``WanPipeline`` (Wan2.1 T2V 1.3B)
 =====================  ==============  ======  =====================================
 

@@ -7,7 +7,8 @@ embedding, output projections, in the same order and dtype), with the attention 
 ``tilecast.kernels.attention.attention`` over the ranks' Ulysses and Ring groups and a key mask
 from ``SequenceState.key_mask``: padded tokens of every split segment, and the model's own masks
 (Qwen-Image's text mask, Z-Image's batch padding), get zero weight. Cross-attention to
-replicated text (Wan) needs no exchange and runs locally.
+replicated text (Wan, SANA) needs no exchange and runs locally. SANA's linear self-attention is
+the one non-softmax case: an all-reduce of its key/value sums instead of the kernels' exchange.
 
 ``install_processors`` picks the processor by the class of the one a layer has; a layer with any
 other processor is refused (it would attend only to this rank's shard).
@@ -191,12 +192,77 @@ def _z_image_rotary(x_BSHD: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tens
         return torch.view_as_real(x * freqs_cis.unsqueeze(2)).flatten(3).type_as(x_BSHD)
 
 
+class SanaLinearSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``SanaLinearAttnProcessor2_0``: SANA's linear (ReLU-kernel) self-attention over the split
+    image tokens. Every query reads the same sums over all keys, ``[V; 1]^T ReLU(K)`` per head
+    (``(D+1) x D``): each rank sums its own keys (padded ones zeroed), one all-reduce over the
+    Ulysses and Ring groups completes them, and each rank applies them to its own queries. No
+    softmax, so neither Ulysses' head exchange nor Ring's merge: the degrees only size the group."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("SANA's sequence-parallel linear attention is self-attention without a mask")
+        original_dtype = hidden_states.dtype
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        q_BHDS = F.relu(query.transpose(1, 2).unflatten(1, (attn.heads, -1))).float()
+        k_BHSD = F.relu(key.transpose(1, 2).unflatten(1, (attn.heads, -1)).transpose(2, 3)).float()
+        v_BHDS = value.transpose(1, 2).unflatten(1, (attn.heads, -1)).float()
+        valid_S = self.state.valid(self.state.stream, hidden_states.device)
+        if valid_S is not None:  # padded tokens add nothing to the sums
+            k_BHSD = k_BHSD * valid_S[:, None].to(k_BHSD.dtype)
+        v_BHDS = F.pad(v_BHDS, (0, 0, 0, 1), mode="constant", value=1.0)  # the ones row sums ReLU(K): the normaliser
+        sums_BHED = torch.matmul(v_BHDS, k_BHSD)
+        for group in (self.state.parallel.ulysses_group, self.state.parallel.ring_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sums_BHED, group=group)
+        out_BHES = torch.matmul(sums_BHED, q_BHDS)
+        out_BHDS = out_BHES[:, :, :-1] / (out_BHES[:, :, -1:] + 1e-15)
+        output = attn.to_out[0](out_BHDS.flatten(1, 2).transpose(1, 2).to(original_dtype))
+        output = attn.to_out[1](output)
+        if original_dtype == torch.float16:
+            output = output.clip(-65504, 65504)
+        return output
+
+
+class SanaCrossSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``SanaAttnProcessor2_0``: SANA's cross-attention from this rank's image tokens to the full,
+    replicated text (no exchange), the text's padding masked as the model's bias masks it."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        if encoder_hidden_states is None:
+            raise ValueError("SANA's cross-attention needs encoder_hidden_states (the text)")
+        query = attn.to_q(hidden_states)
+        key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        q_BSHD, k_BSHD, v_BSHD = (t.unflatten(-1, (attn.heads, -1)) for t in (query, key, value))
+        mask_BS = None
+        if attention_mask is not None:  # the model's additive bias: 0 keeps a text token, -10000 drops it
+            bias_BS = attention_mask.reshape(q_BSHD.shape[0], -1)
+            mask_BS = bias_BS if bias_BS.dtype == torch.bool else bias_BS > -1.0
+        out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend, key_mask=mask_BS)
+        output = attn.to_out[0](out_BSHD.flatten(2, 3).to(query.dtype))
+        output = attn.to_out[1](output)
+        return output / attn.rescale_output_factor
+
+
 PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
     "FluxAttnProcessor": FluxSequenceParallelProcessor,
     "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
     "QwenDoubleStreamAttnProcessor2_0": QwenImageSequenceParallelProcessor,
     "WanAttnProcessor": WanSequenceParallelProcessor,
     "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,
+    "SanaLinearAttnProcessor2_0": SanaLinearSequenceParallelProcessor,
+    "SanaAttnProcessor2_0": SanaCrossSequenceParallelProcessor,
 }
 """Class name of the processor a layer has → the sequence-parallel processor that replaces it."""
 

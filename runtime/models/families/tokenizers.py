@@ -1,15 +1,17 @@
 """Offline tokenizers for the built-in tiny checkpoints: the real transformers classes, tiny vocabularies.
 
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
-(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, GLM-Image's byte-level BPE) directly from an in-memory
+(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, GLM-Image's byte-level
+BPE) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
 on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
-``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``. (ByT5, GLM-Image's
-glyph tokenizer, needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built offline as it is.)
+``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``GEMMA_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``.
+(ByT5, GLM-Image's glyph tokenizer, needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built
+offline as it is.)
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ T5_VOCAB_SIZE = len(_T5_SPECIAL) + len(_T5_PIECES)
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 """Special tokens of the Qwen chat format (the pipelines' prompt templates use them)."""
 QWEN_VOCAB_SIZE = 256 + len(QWEN_SPECIAL)
+
+# ---- Gemma / Gemma 2 (BPE with byte fallback, spaces as ``\u2581``, ``<bos>`` first) --------------
+_GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+_GEMMA_PIECES = ["\u2581", "\n"] + _CHARS
+GEMMA_VOCAB_SIZE = len(_GEMMA_SPECIAL) + len(_GEMMA_PIECES)
 
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -138,3 +145,17 @@ def glm_image_tokenizer(*, codebook_size: int):
     )
     tokenizer.chat_template = GLM_IMAGE_CHAT_TEMPLATE
     return tokenizer
+
+
+def gemma_tokenizer(*, model_max_length: int = 8192):
+    """A ``GemmaTokenizer`` over single characters, spaces and newlines (SANA's Gemma 2 text encoder).
+
+    As Gemma's own tokenizer: ``<bos>`` starts every encoding (SANA counts it when it sizes the text
+    window after its complex human instruction), ``<pad>`` is id 0, right padding (SANA's pipeline
+    sets it too). Other characters fall back to bytes, which this vocabulary maps to ``<unk>``."""
+    from transformers import GemmaTokenizer
+
+    vocab = {tok: i for i, tok in enumerate(_GEMMA_SPECIAL + _GEMMA_PIECES)}
+    return GemmaTokenizer(
+        vocab=vocab, merges=[], model_max_length=model_max_length, padding_side="right", add_bos_token=True
+    )
