@@ -28,6 +28,8 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
+    "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
+    "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
