@@ -24,6 +24,8 @@ import pytest
 from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
+from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
@@ -38,6 +40,8 @@ PIPELINES = {
     "tiny/z-image-turbo": ZImageT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
+    "tiny/flux.2-dev": Flux2T2IPipeline,
+    "tiny/flux.2-klein-4b": Flux2KleinT2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

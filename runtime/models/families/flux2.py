@@ -18,8 +18,8 @@ stores that tokenizer directly (byte-level, Mistral's control tokens and chat fo
 
 Defaults follow the FLUX.2-dev model card (black-forest-labs/FLUX.2-dev) and diffusers: 50 steps at
 ``guidance_scale`` 4.0, 512 text tokens. ``guidance_scale`` is an embedding, not classifier-free
-guidance: a request takes no ``negative_prompt``. FLUX.2-dev-NVFP4 routes here by its id; its
-weights need dequantising at load on GPUs without FP4 tensor cores (see the README).
+guidance: a request takes no ``negative_prompt``. FLUX.2-dev-NVFP4 (a folder of NVFP4 transformer
+weights only) routes here by its id and is refused at load, naming why (README, Models served).
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ class Flux2T2IPipeline(DiffusersBatchPipeline):
 
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
+        if not (path / "model_index.json").is_file() and any(path.glob("*nvfp4*.safetensors")):
+            raise ValueError(
+                f"{path} holds only FLUX.2-dev's NVFP4 transformer weights (no model_index.json); tilecast "
+                "does not load NVFP4 weights yet: serve black-forest-labs/FLUX.2-dev (README, Models served)"
+            )
         return {"tokenizer": chat_tokenizer(path / "tokenizer")}
 
     def guidance_on(self, params) -> bool:
