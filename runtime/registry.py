@@ -30,6 +30,8 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
     "tilecast.runtime.models.families.glm_image:GlmImageT2IPipeline",
     "tilecast.runtime.models.families.sana:SanaT2IPipeline",
+    "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
+    "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )

@@ -2,7 +2,8 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7): batch shape may change kernels, the seeds do not change.
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7, FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6): batch
+shape may change kernels, the seeds do not change.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
 """
@@ -20,6 +21,8 @@ import torch
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
+from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
@@ -328,6 +331,110 @@ def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
     assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
 
 
+# ---- FLUX.2-dev and FLUX.2 [klein] ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_id", "family"),
+    [
+        ("black-forest-labs/FLUX.2-dev", Flux2T2IPipeline),
+        ("black-forest-labs/FLUX.2-dev-NVFP4", Flux2T2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-4B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-9B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-base-4B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-base-9B", Flux2KleinT2IPipeline),
+    ],
+)
+def test_released_flux2_ids_route_to_their_family(model_id, family, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is family
+
+
+def test_flux2_dev_defaults_follow_its_card(loaded):
+    pipe, _ = loaded("tiny/flux.2-dev")
+    p = pipe.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
+    assert not pipe.guidance_on(p) and pipe.call_kwargs(p)["max_sequence_length"] == 512
+
+
+def test_flux2_dev_reads_a_released_tokenizer_folder_without_its_processor(loaded, tiny_cache, tmp_path):
+    """The released FLUX.2-dev stores its tokenizer as a ``PixtralProcessor`` (importing it needs
+    torchvision); the family loads the folder's tokenizer and chat template alone, also from the
+    processor's older ``chat_template.json``, and computes what the tiny checkpoint's own layout does."""
+    import shutil
+
+    released = tmp_path / "FLUX.2-dev"
+    shutil.copytree(Flux2T2IPipeline.checkpoint.ensure(tiny_cache), released)
+    index = json.loads((released / "model_index.json").read_text())
+    (released / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    folder = released / "tokenizer"
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "processor_class": "PixtralProcessor"}))
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+
+    pipe, ctx = loaded("tiny/flux.2-dev")
+    released_pipe = Flux2T2IPipeline.load(str(released), ctx)
+    assert released_pipe.pipe.tokenizer.chat_template == template
+    params = params_for(pipe, prompt="a harbour at dawn", seed=3, num_inference_steps=2, return_tensor=True)
+    want = pipe.run([WorkItem(job_id="tiny", params=params)], ctx)[0].tensors["image"]
+    got = released_pipe.run([WorkItem(job_id="released", params=params)], ctx)[0].tensors["image"]
+    assert torch.equal(got, want)
+
+
+def test_flux2_dev_nvfp4_weights_alone_are_refused_at_load(tmp_path):
+    nvfp4 = tmp_path / "FLUX.2-dev-NVFP4"  # the released repo: one file of BFL-named NVFP4 transformer weights
+    nvfp4.mkdir()
+    (nvfp4 / "flux2-dev-nvfp4-mixed.safetensors").touch()
+    assert resolve_pipeline(str(nvfp4), model_id="black-forest-labs/FLUX.2-dev-NVFP4") is Flux2T2IPipeline
+    with pytest.raises(ValueError, match="NVFP4 transformer weights"):
+        Flux2T2IPipeline.load(str(nvfp4), make_context(tmp_path / "out", dtype="float32"))
+
+
+def test_flux2_klein_distilled_defaults_and_refusals(loaded):
+    pipe, _ = loaded("tiny/flux.2-klein-4b")
+    p = pipe.prepare(T2IParams(prompt="x"), {})
+    assert pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (4, 1.0) and not pipe.guidance_on(p)
+    assert pipe.call_kwargs(p)["max_sequence_length"] == 512
+    with pytest.raises(ValueError, match="guidance_scale must be at most 1.0 for flux.2-klein"):
+        pipe.prepare(T2IParams(prompt="x", guidance_scale=4.0), {})
+    with pytest.raises(ValueError, match="negative_prompt cannot be used by flux.2-klein: .* step-distilled"):
+        pipe.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})
+
+
+def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_cache, tmp_path):
+    """A Klein Base checkpoint (``is_distilled`` false in its ``model_index.json``) takes the Base
+    card's defaults and runs classifier-free guidance; a negative prompt is per request in a batch."""
+    import shutil
+
+    base = tmp_path / "FLUX.2-klein-base-4B"
+    shutil.copytree(Flux2KleinT2IPipeline.checkpoint.ensure(tiny_cache), base)
+    index = json.loads((base / "model_index.json").read_text())
+    (base / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
+    ctx = make_context(tmp_path / "out", dtype="float32")
+    pipe = Flux2KleinT2IPipeline.load(str(base), ctx)
+    p = pipe.prepare(T2IParams(prompt="x"), {})
+    assert not pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (50, 4.0) and pipe.guidance_on(p)
+
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    with_negative = out[1].tensors["image"]
+    assert (out[0].tensors["image"] - with_negative).abs().max() > 0.01  # the negative prompt steers the result
+    assert (alone - with_negative).abs().max() <= BATCH_TOL  # and is per request inside a merged batch
+    empty = msgspec.structs.replace(plain, negative_prompt="")
+    same = pipe.run([WorkItem(job_id="empty", params=empty)], ctx)[0].tensors["image"]
+    assert (same - out[0].tensors["image"]).abs().max() <= BATCH_TOL  # unset means "" (diffusers' only one)
+    unguided = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, guidance_scale=1.0)
+    with pytest.raises(ValueError, match="negative_prompt cannot be used"):
+        pipe.prepare(msgspec.structs.replace(unguided, negative_prompt="fog"), {})
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -352,6 +459,8 @@ def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
             {"guidance_scale": 1.0, "negative_prompt": "x"},
             "negative_prompt cannot be used by sana",
         ),
+        ("tiny/flux.2-dev", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by flux.2-dev"),
+        ("tiny/flux.2-klein-4b", {"guidance_scale": 2.0}, "guidance_scale must be at most 1.0"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],

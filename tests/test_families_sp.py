@@ -3,7 +3,7 @@
 Every rank loads the family's tiny checkpoint with the process groups of a ``Topology`` and runs a
 merged batch of two requests; the outputs must equal the requests' single-rank singleton outputs
 (computed once, in this process, on one thread as each rank runs) within ``SP_TOL`` (fp32, max abs
-difference on the ``[0, 1]`` output; measured 7e-7 .. 3e-6 across families and layouts, the
+difference on the ``[0, 1]`` output; measured 7e-7 .. 4e-6 across families and layouts, the
 same order as the single-rank batch-vs-singleton difference in ``tests/test_families.py``; with the
 padded keys left unmasked the difference is ~2e-3, so the tolerance tells them apart).
 
@@ -275,6 +275,8 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
         "tiny/sana-1.5-1.6b": "hidden_states",
+        "tiny/flux.2-dev": "hidden_states",
+        "tiny/flux.2-klein-4b": "hidden_states",
     }
 
 

@@ -24,6 +24,8 @@ import pytest
 from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
+from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
@@ -42,6 +44,8 @@ PIPELINES = {
     "tiny/sd3": SD3T2IPipeline,
     "tiny/glm-image": GlmImageT2IPipeline,
     "tiny/sana-1.5-1.6b": SanaT2IPipeline,
+    "tiny/flux.2-dev": Flux2T2IPipeline,
+    "tiny/flux.2-klein-4b": Flux2KleinT2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

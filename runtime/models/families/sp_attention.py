@@ -58,6 +58,55 @@ class FluxSequenceParallelProcessor(_SequenceParallelProcessor):
         return flux_output(attn, out_BSHD, encoder_hidden_states, dtype=q_BSHD.dtype)
 
 
+class Flux2SequenceParallelProcessor(_SequenceParallelProcessor):
+    """``Flux2AttnProcessor``: joint ``[text, image]`` attention of FLUX.2's double-stream blocks."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux2 import _get_qkv_projections
+
+        if attention_mask is not None:
+            raise ValueError("FLUX.2's sequence-parallel attention takes no attention_mask")
+        if encoder_hidden_states is None:
+            raise ValueError("FLUX.2's double-stream attention needs encoder_hidden_states (the text stream)")
+        img_q, img_k, img_v, txt_q, txt_k, txt_v = (
+            t.unflatten(-1, (-1, attn.head_dim))
+            for t in _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        )
+        q_BSHD = torch.cat([attn.norm_added_q(txt_q), attn.norm_q(img_q)], dim=1)
+        k_BSHD = torch.cat([attn.norm_added_k(txt_k), attn.norm_k(img_k)], dim=1)
+        v_BSHD = torch.cat([txt_v, img_v], dim=1)
+        if image_rotary_emb is not None:
+            q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
+            k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("encoder_hidden_states", None), ("hidden_states", None)])
+        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
+        seq_txt = encoder_hidden_states.shape[1]
+        img_out = attn.to_out[1](attn.to_out[0](out_BSC[:, seq_txt:].contiguous()))  # projection, dropout
+        return img_out, attn.to_add_out(out_BSC[:, :seq_txt].contiguous())
+
+
+class Flux2SingleSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``Flux2ParallelSelfAttnProcessor``: FLUX.2's single-stream blocks, attention over the
+    ``[text, image]`` concatenation (one stream here) fused with the MLP's projections."""
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if attention_mask is not None:
+            raise ValueError("FLUX.2's sequence-parallel attention takes no attention_mask")
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv, mlp = projected.split([3 * attn.inner_dim, attn.mlp_hidden_dim * attn.mlp_mult_factor], dim=-1)
+        q_BSHD, k_BSHD, v_BSHD = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        q_BSHD, k_BSHD = attn.norm_q(q_BSHD), attn.norm_k(k_BSHD)
+        if image_rotary_emb is not None:
+            q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
+            k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
+        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("encoder_hidden_states", None), ("hidden_states", None)])
+        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
+        return attn.to_out(torch.cat([out_BSC, attn.mlp_act_fn(mlp)], dim=-1))
+
+
 class QwenImageSequenceParallelProcessor(_SequenceParallelProcessor):
     """``QwenDoubleStreamAttnProcessor2_0``: joint ``[text, image]`` attention, text keys masked by
     ``encoder_hidden_states_mask`` (split with the text by the plan) as well as by padding."""
@@ -258,6 +307,8 @@ class SanaCrossSequenceParallelProcessor(_SequenceParallelProcessor):
 PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
     "FluxAttnProcessor": FluxSequenceParallelProcessor,
     "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
+    "Flux2AttnProcessor": Flux2SequenceParallelProcessor,
+    "Flux2ParallelSelfAttnProcessor": Flux2SingleSequenceParallelProcessor,
     "QwenDoubleStreamAttnProcessor2_0": QwenImageSequenceParallelProcessor,
     "WanAttnProcessor": WanSequenceParallelProcessor,
     "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,

@@ -1,15 +1,16 @@
 """Offline tokenizers for the built-in tiny checkpoints: the real transformers classes, tiny vocabularies.
 
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
-(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, GLM-Image's byte-level
-BPE) directly from an in-memory
+(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, a Mistral-style
+byte-level ``PreTrainedTokenizerFast``, GLM-Image's byte-level BPE) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
 on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
-``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``GEMMA_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``.
+``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``GEMMA_VOCAB_SIZE``, ``MISTRAL_VOCAB_SIZE``,
+``glm_image_vocab_size(codebook_size)``.
 (ByT5, GLM-Image's glyph tokenizer, needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built
 offline as it is.)
 """
@@ -73,6 +74,42 @@ GLM_IMAGE_CHAT_TEMPLATE = (
 def glm_image_vocab_size(codebook_size: int) -> int:
     """Size of ``glm_image_tokenizer(codebook_size)``'s vocabulary."""
     return codebook_size + 2 + len(GLM_IMAGE_SPECIAL) + 256
+
+
+# ---- Mistral Small 3.x (Tekken: byte-level BPE) --------------------------------------------
+MISTRAL_SPECIAL = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "<pad>",
+]
+"""Control tokens of Mistral Small 3.x's chat format and of its image placeholders (ids 0..10 here)."""
+MISTRAL_VOCAB_SIZE = len(MISTRAL_SPECIAL) + 256
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set ns = namespace(text='') %}"
+    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
+    "{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{% set ns.text = ns.text + block['text'] %}"
+    "{% elif block['type'] in ['image', 'image_url'] %}{% set ns.text = ns.text + '[IMG]' %}"
+    "{% else %}{{ raise_exception('Only text and image blocks are supported in message content') }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + ns.text + '[/SYSTEM_PROMPT]' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST]' + ns.text + '[/INST]' }}"
+    "{% else %}{{ ns.text + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+"""Mistral Small 3.x's chat format (system prompt, ``[INST]`` turns; content as a string or as a
+list of text / image blocks, the form FLUX.2's pipeline sends)."""
 
 
 def _byte_alphabet() -> list[str]:
@@ -159,3 +196,27 @@ def gemma_tokenizer(*, model_max_length: int = 8192):
     return GemmaTokenizer(
         vocab=vocab, merges=[], model_max_length=model_max_length, padding_side="right", add_bos_token=True
     )
+
+
+def mistral_tokenizer(*, model_max_length: int = 4096):
+    """A byte-level ``PreTrainedTokenizerFast`` with Mistral's control tokens and chat template (FLUX.2-dev's
+    Mistral Small 3.x encoder). The released checkpoint ships it inside a ``PixtralProcessor``; FLUX.2's
+    text path reads only the tokenizer and its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(MISTRAL_SPECIAL + _byte_alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(MISTRAL_SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer
