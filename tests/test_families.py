@@ -155,6 +155,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["max_sequence_length"] = cls.max_sequence_length
     if pipe.output_kind == "video":
         kwargs["num_frames"] = params.num_frames
+    # the family's own extra arguments (SANA's use_resolution_binning=False) are part of its declaration
+    kwargs = {**pipe.call_kwargs(params), **kwargs}
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape
@@ -355,7 +357,7 @@ def test_released_flux2_ids_route_to_their_family(model_id, family, tmp_path):
 
 def test_flux2_dev_defaults_follow_its_card(loaded):
     pipe, _ = loaded("tiny/flux.2-dev")
-    p = pipe.prepare(T2IParams(prompt="x"), {})
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
     assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
     assert not pipe.guidance_on(p) and pipe.call_kwargs(p)["max_sequence_length"] == 512
 
@@ -397,13 +399,13 @@ def test_flux2_dev_nvfp4_weights_alone_are_refused_at_load(tmp_path):
 
 def test_flux2_klein_distilled_defaults_and_refusals(loaded):
     pipe, _ = loaded("tiny/flux.2-klein-4b")
-    p = pipe.prepare(T2IParams(prompt="x"), {})
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
     assert pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (4, 1.0) and not pipe.guidance_on(p)
     assert pipe.call_kwargs(p)["max_sequence_length"] == 512
     with pytest.raises(ValueError, match="guidance_scale must be at most 1.0 for flux.2-klein"):
-        pipe.prepare(T2IParams(prompt="x", guidance_scale=4.0), {})
+        pipe.prepare(pipe.params_type(prompt="x", guidance_scale=4.0), {})
     with pytest.raises(ValueError, match="negative_prompt cannot be used by flux.2-klein: .* step-distilled"):
-        pipe.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})
+        pipe.prepare(pipe.params_type(prompt="x", negative_prompt="blurry"), {})
 
 
 def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_cache, tmp_path):
@@ -417,7 +419,7 @@ def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_c
     (base / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
     ctx = make_context(tmp_path / "out", dtype="float32")
     pipe = Flux2KleinT2IPipeline.load(str(base), ctx)
-    p = pipe.prepare(T2IParams(prompt="x"), {})
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
     assert not pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (50, 4.0) and pipe.guidance_on(p)
 
     plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, return_tensor=True)

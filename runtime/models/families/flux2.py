@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
-from tilecast.runtime.models.families import tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families import images, tokenizers
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, I2IParams, TinyCheckpoint
+from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +142,59 @@ def chat_tokenizer(folder: Path):
     return tokenizer
 
 
-class Flux2T2IPipeline(DiffusersBatchPipeline):
-    """FLUX.2-dev T2I; a merged batch is one ``Flux2Pipeline`` call (see ``families.common``)."""
+REFERENCE_AREA = 1024 * 1024
+"""FLUX.2's pipelines shrink a larger reference image to this many pixels (keeping its aspect)."""
+MIN_REFERENCE_SIDE = 64
+MAX_REFERENCE_ASPECT = 8
+"""``Flux2ImageProcessor.check_image_input``'s limits on a reference image."""
+
+
+class Flux2ReferenceImages:
+    """FLUX.2's image inputs (dev and [klein]): 0..``max_images`` reference images per request.
+
+    Both diffusers pipelines take ``image=`` as one list of references for the whole call (each
+    reference is VAE-encoded and its tokens appended to every prompt's image tokens), so requests
+    merge only with requests that send the same references (``batch_shares_images``); requests
+    without references merge as before. Without ``width``/``height`` the output takes the first
+    reference's size as the pipeline computes it (shrunk to ``REFERENCE_AREA``, floored to 16)."""
+
+    params_type = I2IParams
+    upload_fields = ("image",)
+    min_images = 0
+    batch_shares_images = True
+
+    def output_size(self, params, image_sizes: list[list[int]]) -> tuple[int, int]:
+        width, height = image_sizes[0]
+        if width * height > REFERENCE_AREA:
+            scale = math.sqrt(REFERENCE_AREA / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        multiple = self.pipe.vae_scale_factor * 2
+        return width // multiple * multiple, height // multiple * multiple
+
+    def validate(self, params) -> None:
+        super().validate(params)
+        for index, (width, height) in enumerate(params.image_sizes):
+            label = "image" if len(params.image_sizes) == 1 else f"image {index + 1}"
+            if min(width, height) < MIN_REFERENCE_SIDE:
+                raise ValueError(f"{label} is {width}x{height}; {self.family} needs both sides >= {MIN_REFERENCE_SIDE}")
+            if max(width, height) > MAX_REFERENCE_ASPECT * min(width, height):
+                raise ValueError(
+                    f"{label} is {width}x{height}; {self.family} takes aspect ratios up to {MAX_REFERENCE_ASPECT}:1"
+                )
+
+    def image_kwargs(self, items: list[WorkItem]) -> dict[str, Any]:
+        references = images.load_images(items[0].uploads)  # the batch key holds their digests: shared by all
+        return {"image": references} if references else {}
+
+
+class Flux2T2IPipeline(Flux2ReferenceImages, DiffusersBatchPipeline):
+    """FLUX.2-dev T2I and reference-image editing; a merged batch is one ``Flux2Pipeline`` call (see
+    ``families.common``)."""
 
     family = "flux.2-dev"
     task = "t2i"
-    params_type = T2IParams
+    max_images = 10
+    """BFL: up to 10 references (6 recommended for [dev])."""
     diffusers_class = "Flux2Pipeline"
     checkpoint = TINY_FLUX2
     builtin_name = "tiny/flux.2-dev"

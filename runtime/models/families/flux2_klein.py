@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from tilecast.runtime.models.families import common, flux2, tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2IParams, TinyCheckpoint
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, TinyCheckpoint
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -62,13 +62,15 @@ TINY_FLUX2_KLEIN = TinyCheckpoint(
 )
 
 
-class Flux2KleinT2IPipeline(DiffusersBatchPipeline):
-    """FLUX.2 [klein] T2I; a merged batch is one ``Flux2KleinPipeline`` call (see ``families.common``).
-    The class defaults are the distilled checkpoints'; a Base checkpoint's replace them at load."""
+class Flux2KleinT2IPipeline(flux2.Flux2ReferenceImages, DiffusersBatchPipeline):
+    """FLUX.2 [klein] T2I and reference-image editing; a merged batch is one ``Flux2KleinPipeline``
+    call (see ``families.common``). The class defaults are the distilled checkpoints'; a Base
+    checkpoint's replace them at load."""
 
     family = "flux.2-klein"
     task = "t2i"
-    params_type = T2IParams
+    max_images = 4
+    """BFL: up to 4 references for [klein] 4B and 9B."""
     diffusers_class = "Flux2KleinPipeline"
     checkpoint = TINY_FLUX2_KLEIN
     builtin_name = "tiny/flux.2-klein-4b"
@@ -95,6 +97,7 @@ class Flux2KleinT2IPipeline(DiffusersBatchPipeline):
         return super().no_guidance_reason(params)
 
     def validate(self, params) -> None:
+        super().validate(params)
         if self.distilled and params.guidance_scale > 1.0:
             raise ValueError(
                 f"guidance_scale must be at most 1.0 for {self.family}: this checkpoint is step-distilled and "
