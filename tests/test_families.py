@@ -18,7 +18,9 @@ import torch
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
+from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -183,6 +185,68 @@ def test_sd3_negative_prompt_changes_the_output_when_guidance_is_on(loaded):
     assert (same - out[0].tensors["image"]).abs().max() <= BATCH_TOL  # unset means "" (diffusers' default)
 
 
+# ---- variants: one diffusers class, several released checkpoints ----------------------------
+RELEASED_VARIANTS = {
+    "Tongyi-MAI/Z-Image-Turbo": ZImageT2IPipeline,
+    "Tongyi-MAI/Z-Image": ZImageBaseT2IPipeline,
+    "Qwen/Qwen-Image": QwenImageT2IPipeline,
+    "Qwen/Qwen-Image-2512": QwenImage2512T2IPipeline,
+}
+"""Released hub id → the pipeline that serves it, where one diffusers class serves several checkpoints."""
+
+
+def _checkpoint_dir(path: Path, diffusers_class: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "model_index.json").write_text(json.dumps({"_class_name": diffusers_class}))
+    return path
+
+
+@pytest.mark.parametrize("model_id", sorted(RELEASED_VARIANTS))
+def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeypatch):
+    from tilecast.runtime import registry
+
+    family = RELEASED_VARIANTS[model_id]
+    name = model_id.rpartition("/")[2]
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family  # --model-id
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "local" / name, family.diffusers_class))) is family
+    for suffix in ("-bf16", "-diffusers"):  # a renamed copy still carries the released name
+        assert resolve_pipeline(str(_checkpoint_dir(tmp_path / f"{name}{suffix}", family.diffusers_class))) is family
+    # a Hub id: its snapshot directory is named by a commit, the id names the variant
+    snapshot = tmp_path / f"models--{model_id.replace('/', '--')}" / "snapshots" / "0123abc"
+    _checkpoint_dir(snapshot, family.diffusers_class)
+    monkeypatch.setattr(registry, "local_dir", lambda model_path: snapshot)
+    assert resolve_pipeline(model_id) is family
+
+
+def test_an_unnamed_checkpoint_of_a_shared_class_is_served_by_its_first_declaration(tmp_path):
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "my-finetune", "ZImagePipeline"))) is ZImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "other", "QwenImagePipeline"))) is QwenImageT2IPipeline
+
+
+def test_the_longest_hint_wins_whatever_the_listing_order():
+    from tilecast.runtime.registry import by_hint
+
+    for order in ((ZImageT2IPipeline, ZImageBaseT2IPipeline), (ZImageBaseT2IPipeline, ZImageT2IPipeline)):
+        assert by_hint(("/ckpt/z-image-turbo-v2",), order) is ZImageT2IPipeline
+        assert by_hint(("/ckpt/Z-Image",), order) is ZImageBaseT2IPipeline
+        assert by_hint(("/ckpt/flux",), order) is None
+    # every name is searched: the Hub id names the variant when the snapshot directory does not
+    assert by_hint(("0123abc", "Tongyi-MAI/Z-Image-Turbo")) is ZImageT2IPipeline
+
+
+def test_variant_defaults_follow_their_cards(loaded):
+    z_image, _ = loaded("tiny/z-image")
+    p = z_image.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})  # guidance on: a negative prompt is used
+    assert (p.num_inference_steps, p.guidance_scale, z_image.guidance_on(p)) == (50, 4.0, True)
+    assert z_image.pipe.scheduler.config.shift == 6.0  # Tongyi-MAI/Z-Image's scheduler (Turbo: 3.0)
+    turbo, _ = loaded("tiny/z-image-turbo")
+    assert turbo.pipe.scheduler.config.shift == 3.0 and not turbo.guidance_on(turbo.prepare(T2IParams(prompt="x"), {}))
+    qwen, _ = loaded("tiny/qwen-image-2512")
+    p = qwen.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
+    assert qwen.call_kwargs(p)["true_cfg_scale"] == 4.0
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -256,7 +320,9 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
+@pytest.mark.parametrize(
+    "name", sorted(set(tiny_families(variants=False)) - {"tiny/flux"})
+)  # FLUX: tests/test_flux_fast.py; variants compile their family's transformer
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
     eager, ctx = loaded(name)
     compiled = FAMILIES[name].load(name, make_context(tmp_path, dtype="float32", compile=True))

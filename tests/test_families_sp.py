@@ -22,15 +22,19 @@ import torch
 
 from tests.distributed import one_thread, run_ranks
 from tests.harness import tiny_families
+from tilecast.runtime.models.families.sequence_parallel import resolve_plan, stream_input
+from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
 
 SP_TOL = 1e-4
 """Max abs difference between a request's output in an SP batch and its 1-rank singleton output."""
 
 FAMILIES = {
-    name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items() if cls.cp_plan is not None
+    name: f"{cls.__module__}:{cls.__qualname__}"
+    for name, cls in tiny_families(variants=False).items()
+    if cls.cp_plan is not None
 }
 """Built-in name → ``"module:Class"`` of every tiny diffusers family with a context-parallel plan (what
-the ranks import). A family without one (``tiny/sd3``: diffusers ships no ``_cp_plan`` for
+the ranks import; not the variants, which run their family's transformer and plan unchanged). A family without one (``tiny/sd3``: diffusers ships no ``_cp_plan`` for
 ``SD3Transformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
 (``tests/test_refuse_settings.py``; ``test_families_without_a_plan_refuse_sequence_parallel`` below)."""
 
@@ -197,8 +201,9 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         if largest is not None:  # FLUX runs tilecast's kernels on one rank too
             assert work * world <= largest + 2 * world * heads and work < largest, (rank, work, largest)
         # The sequence did not divide by the degree: the image tokens were padded and still matched.
-        true_len, local_len = result["splits"]["hidden_states" if name != "tiny/z-image-turbo" else "x"]
-        if name != "tiny/z-image-turbo":  # Z-Image pads every region to 32 tokens itself
+        family = _pipeline_class(name)
+        true_len, local_len = result["splits"][stream_input(resolve_plan(family.cp_plan))]
+        if not issubclass(family, ZImageT2IPipeline):  # Z-Image pads every region to 32 tokens itself
             assert true_len % world and local_len == -(-true_len // world), (rank, true_len, local_len)
     print(f"{name} ulysses={ulysses} ring={ring}: max |SP - one rank| = {max(errors):.3g}")
     return results

@@ -24,10 +24,10 @@ import pytest
 from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
-from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
-from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
+from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,9 @@ PIPELINES = {
     "tiny/k6sr": K6SRPipeline,
     "tiny/flux": FluxT2IPipeline,
     "tiny/qwen-image": QwenImageT2IPipeline,
+    "tiny/qwen-image-2512": QwenImage2512T2IPipeline,
     "tiny/z-image-turbo": ZImageT2IPipeline,
+    "tiny/z-image": ZImageBaseT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
 }
