@@ -36,6 +36,8 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageBaseT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
+    "tilecast.runtime.models.families.ernie_image:ErnieImageT2IPipeline",
+    "tilecast.runtime.models.families.ernie_image:ErnieImageTurboT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )

@@ -128,6 +128,8 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/z-image-turbo", {}, "image/png"),
         ("tiny/z-image", {}, "image/png"),
         ("tiny/sd3", {}, "image/png"),
+        ("tiny/ernie-image", {}, "image/png"),
+        ("tiny/ernie-image-turbo", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
     ],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -17,6 +18,7 @@ import torch
 
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
+from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
@@ -191,6 +193,8 @@ RELEASED_VARIANTS = {
     "Tongyi-MAI/Z-Image": ZImageBaseT2IPipeline,
     "Qwen/Qwen-Image": QwenImageT2IPipeline,
     "Qwen/Qwen-Image-2512": QwenImage2512T2IPipeline,
+    "baidu/ERNIE-Image": ErnieImageT2IPipeline,
+    "baidu/ERNIE-Image-Turbo": ErnieImageTurboT2IPipeline,
 }
 """Released hub id → the pipeline that serves it, where one diffusers class serves several checkpoints."""
 
@@ -221,6 +225,7 @@ def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeyp
 def test_an_unnamed_checkpoint_of_a_shared_class_is_served_by_its_first_declaration(tmp_path):
     assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "my-finetune", "ZImagePipeline"))) is ZImageT2IPipeline
     assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "other", "QwenImagePipeline"))) is QwenImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "third", "ErnieImagePipeline"))) is ErnieImageT2IPipeline
 
 
 def test_the_longest_hint_wins_whatever_the_listing_order():
@@ -245,6 +250,37 @@ def test_variant_defaults_follow_their_cards(loaded):
     p = qwen.prepare(T2IParams(prompt="x"), {})
     assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
     assert qwen.call_kwargs(p)["true_cfg_scale"] == 4.0
+    ernie, _ = loaded("tiny/ernie-image")
+    p = ernie.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})
+    assert (p.num_inference_steps, p.guidance_scale, ernie.guidance_on(p)) == (50, 4.0, True)
+    turbo, _ = loaded("tiny/ernie-image-turbo")
+    p = turbo.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale, turbo.guidance_on(p)) == (8, 1.0, False)
+
+
+# ---- ERNIE-Image ---------------------------------------------------------------------------
+
+
+def test_ernie_negative_prompt_steers_per_request_and_the_prompt_enhancer_stays_off(loaded):
+    pipe, ctx = loaded("tiny/ernie-image")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=4, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+    assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
+    assert pipe.call_kwargs(plain)["use_pe"] is False and "max_sequence_length" not in pipe.call_kwargs(plain)
+
+
+def test_ernie_checkpoint_with_a_prompt_enhancer_loads_without_it(tiny_cache, tmp_path):
+    """The released checkpoints list ``pe`` / ``pe_tokenizer`` (a 3B model): they are not read."""
+    released = tmp_path / "ERNIE-Image"
+    shutil.copytree(ErnieImageT2IPipeline.checkpoint.ensure(tiny_cache), released)
+    index = json.loads((released / "model_index.json").read_text())
+    index.update(pe=["transformers", "Ministral3ForCausalLM"], pe_tokenizer=["transformers", "TokenizersBackend"])
+    (released / "model_index.json").write_text(json.dumps(index))  # no pe/ folder: reading it would fail
+    pipe = ErnieImageT2IPipeline.load(str(released), make_context(tmp_path / "out", dtype="float32"))
+    assert pipe.pipe.pe is None and pipe.pipe.pe_tokenizer is None
 
 
 @pytest.mark.parametrize(
@@ -261,6 +297,8 @@ def test_variant_defaults_follow_their_cards(loaded):
         ("tiny/qwen-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used"),
         ("tiny/sd3", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by sd3"),
         ("tiny/sd3", {"width": 1552}, "width must be at most 1536 for sd3"),
+        ("tiny/ernie-image", {"max_sequence_length": 64}, "max_sequence_length cannot be used by ernie-image"),
+        ("tiny/ernie-image-turbo", {"negative_prompt": "x"}, "negative_prompt cannot be used by ernie-image-turbo"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],

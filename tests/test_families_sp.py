@@ -281,7 +281,7 @@ def test_families_without_a_plan_refuse_sequence_parallel():
     from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 
     unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
-    assert set(unplanned) == {"tiny/sd3"}
+    assert set(unplanned) == {"tiny/sd3", "tiny/ernie-image", "tiny/ernie-image-turbo"}
     for name, cls in unplanned.items():
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
             with pytest.raises(UnsupportedSettingError, match="not supported by"):

@@ -23,6 +23,7 @@ import pytest
 
 from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
+from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
@@ -40,6 +41,8 @@ PIPELINES = {
     "tiny/z-image": ZImageBaseT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
+    "tiny/ernie-image": ErnieImageT2IPipeline,
+    "tiny/ernie-image-turbo": ErnieImageTurboT2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

@@ -347,11 +347,23 @@ class DiffusersBatchPipeline(Pipeline):
         import diffusers
 
         path = cls.resolve_path(model_path)
-        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        own = cls.own_components(path)  # loaded here, not by diffusers: it is told to skip them
+        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, **dict.fromkeys(own)
+        )
+        if own:
+            pipe.register_modules(**own)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, device)
         return pipe
+
+    @classmethod
+    def own_components(cls, path: Path) -> dict[str, Any]:
+        """Components of the checkpoint at ``path`` that the family loads itself, by component name
+        (diffusers' loader skips them; a None one stays unloaded). Default: none. ERNIE-Image leaves
+        out its prompt enhancer."""
+        return {}
 
     @classmethod
     def install_fast_paths(cls, pipe: Any, settings: ServeConfig) -> None:

@@ -1,14 +1,15 @@
 """Offline tokenizers for the built-in tiny checkpoints: the real transformers classes, tiny vocabularies.
 
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
-(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``) directly from an in-memory
+(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, a byte-level ``PreTrainedTokenizerFast``
+for ERNIE-Image's Mistral encoder) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
 on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
-``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``.
+``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``ERNIE_VOCAB_SIZE``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ QWEN_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 """A Qwen-style chat template (the Z-Image pipeline formats prompts with ``apply_chat_template``)."""
+
+# ---- Mistral (Tekken: byte-level BPE), as ERNIE-Image's text encoder reads it ----------------
+ERNIE_SPECIAL = ["<unk>", "<s>", "</s>"]
+"""Mistral's first control tokens, with their ids 0, 1, 2."""
+ERNIE_VOCAB_SIZE = len(ERNIE_SPECIAL) + 256
 
 
 def _byte_alphabet() -> list[str]:
@@ -91,3 +97,24 @@ def qwen_tokenizer(*, model_max_length: int = 4096, padding_side: str = "right")
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
+
+
+def ernie_tokenizer(*, model_max_length: int = 512):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with Mistral's ``<unk>``/``<s>``/``</s>`` that
+    prepends ``<s>`` to every text (``add_special_tokens``), as ERNIE-Image's Mistral tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(ERNIE_SPECIAL + _byte_alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(ERNIE_SPECIAL)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
