@@ -9,8 +9,11 @@ padded keys left unmasked the difference is ~2e-3, so the tolerance tells them a
 
 The token sequences do not divide by the degree: 48 x 48 pixels give 3 x 3 2x2-packed latent
 tokens on FLUX and Qwen-Image (9), 2 x 3 x 3 on Wan with 5 frames (18, on 4 ranks) and 1 x 3 x 3
-with 1 frame (9, on 2 ranks); prompts of different lengths give Qwen-Image a text mask and
-Z-Image batch padding, so the padding and the models' own masks are both exercised.
+with 1 frame (9, on 2 ranks); ERNIE-Image splits one joint sequence, 64 x 48 pixels' 4 x 3 image
+tokens and the longest prompt's 61 text tokens (73); prompts of different lengths give Qwen-Image a
+text mask, Z-Image batch padding and ERNIE-Image a text-padding mask, so the padding and the models'
+own masks are both exercised. Variants (Z-Image, Qwen-Image-2512, ERNIE-Image-Turbo) run their
+family's transformer and plan unchanged and are not repeated here.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def _fields(name: str, world: int) -> dict:
     """48 x 48 pixels: 3 x 3 latent tokens after the VAE's 8x and the 2x2 patches (odd); Wan: one
     latent frame on 2 ranks (9 tokens), two on 4 ranks (18 tokens, padded to 20)."""
     fields = dict(width=48, height=48, num_inference_steps=2, return_tensor=True)
+    if name == "tiny/ernie-image":  # one joint sequence: 4 x 3 image tokens (16 px each) + 61 text tokens, odd
+        fields["width"] = 64
     if name == "tiny/wan2.1-t2v":
         fields["num_frames"] = 1 if world == 2 else 5
     return fields
@@ -193,7 +198,7 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         # it gets on one rank, and no attention kernel call gets more than 1/N of the (query tokens x
         # heads) of the largest one-rank call (Ulysses: every token, 1/U of the heads; Ring: 1/R of
         # the tokens, every head), padding aside.
-        full = ref_queries[0]
+        full = max(ref_queries)  # ERNIE-Image's joint [image, text] sequence: the batch's longest prompt sets it
         assert result["layer_queries"][0] == -(-full // world), (rank, result["layer_queries"][0], full)
         heads = result["heads"]
         work = max(s * h for _b, s, h, _d in result["kernel_queries"])
@@ -274,6 +279,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/qwen-image": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
+        "tiny/ernie-image": "x",
     }
 
 
@@ -281,7 +287,7 @@ def test_families_without_a_plan_refuse_sequence_parallel():
     from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 
     unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
-    assert set(unplanned) == {"tiny/sd3", "tiny/ernie-image", "tiny/ernie-image-turbo"}
+    assert set(unplanned) == {"tiny/sd3"}
     for name, cls in unplanned.items():
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
             with pytest.raises(UnsupportedSettingError, match="not supported by"):

@@ -23,6 +23,10 @@ by sampling from the global random state, so a request's image would depend on w
 it); the released checkpoint's ``pe`` is not even loaded. Rewrite prompts before sending them.
 ``ErnieImagePipeline`` takes no text length (its tokenizer truncates at its own limit), so a
 request's ``max_sequence_length`` is refused.
+
+Ranks: diffusers 0.42 ships no ``_cp_plan`` for ``ErnieImageTransformer2DModel``; tilecast's
+(``ernie_image_cp_plan``, with ``sp_attention.ErnieImageSequenceParallelProcessor``) splits its
+joint ``[image, text]`` sequence over the Ulysses and Ring ranks.
 """
 
 from __future__ import annotations
@@ -117,6 +121,28 @@ TINY_ERNIE_IMAGE_TURBO = TinyCheckpoint(
 )
 
 
+def ernie_image_cp_plan() -> dict:
+    """``ErnieImageTransformer2DModel``'s context-parallel plan, in diffusers' ``_cp_plan`` form
+    (diffusers ships none for ERNIE-Image). Its blocks run sequence-first (``x`` is ``(S, B, C)``)
+    over the joint ``[image, text]`` tokens: the first block splits ``x``, every block splits the
+    per-token inputs it is given whole (the rotary table, the six modulation tensors, expanded over
+    the tokens, and the text-padding mask), and the output projection's tokens are gathered (the
+    model then keeps the image tokens).
+    """
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    tokens_first = ContextParallelInput(split_dim=0, expected_dims=3, split_output=False)
+    return {
+        "layers.0": {"x": tokens_first},
+        "layers.*": {
+            "rotary_pos_emb": ContextParallelInput(split_dim=1, expected_dims=4, split_output=False),
+            "temb": [tokens_first] * 6,
+            "attention_mask": ContextParallelInput(split_dim=3, expected_dims=4, split_output=False),
+        },
+        "final_linear": ContextParallelOutput(gather_dim=0, expected_dims=3),
+    }
+
+
 class ErnieImageT2IPipeline(DiffusersBatchPipeline):
     """ERNIE-Image T2I; a merged batch is one ``ErnieImagePipeline`` call (see ``families.common``)."""
 
@@ -127,7 +153,7 @@ class ErnieImageT2IPipeline(DiffusersBatchPipeline):
     checkpoint = TINY_ERNIE_IMAGE
     builtin_name = "tiny/ernie-image"
     model_id_hints = ("ERNIE-Image",)
-    cp_plan = None  # diffusers 0.42 ships no _cp_plan for ErnieImageTransformer2DModel
+    cp_plan = f"{__name__}:ernie_image_cp_plan"
     default_steps = 50
     default_guidance = 4.0
 
