@@ -2,7 +2,8 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6): batch shape may change kernels, the seeds do not change.
+Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, ERNIE-Image
+~2e-6, ERNIE-Image-Turbo ~2e-6): batch shape may change kernels, the seeds do not change.
 """
 
 from __future__ import annotations
