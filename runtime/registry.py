@@ -4,8 +4,9 @@
 declarations (``Pipeline.builtin_name``, ``diffusers_class``, ``model_id_hints``,
 ``ensure_builtin``). A built-in name (``tiny/k6sr``, ``tiny/flux``, ``random/flux``,
 ``test/allreduce``, ...) maps straight to its pipeline; a local diffusers directory is routed by its
-``model_index.json`` ``_class_name``, or by ``--model-id`` when the directory was renamed. Adding a
-model is its declaration plus one line here (README, "Adding a model").
+``model_index.json`` ``_class_name``, or by ``--model-id`` when the directory was renamed (or by
+its name, when its class is none of diffusers' pipelines). Adding a model is its declaration plus
+one line here (README, "Adding a model").
 
 Variants: where several pipelines declare one diffusers class (Z-Image and Z-Image-Turbo are both
 ``ZImagePipeline``), the class cannot tell them apart, so the name does (``by_hint``): the
@@ -82,6 +83,14 @@ def by_hint(names: tuple[str, ...], candidates: tuple[type[Pipeline], ...] | Non
     return best
 
 
+def _another_pipeline(class_name: str) -> bool:
+    """``class_name`` is a diffusers pipeline class (not the generic ``DiffusionPipeline``): a checkpoint
+    of it is that pipeline's, whatever its name says (``Qwen-Image-Edit`` is not Qwen-Image)."""
+    import diffusers
+
+    return class_name != "DiffusionPipeline" and class_name in dir(diffusers)
+
+
 def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipeline]:
     """Return the pipeline class for ``model_path``; ``ValueError`` naming the problem otherwise."""
     builtins = builtin_models()
@@ -109,7 +118,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
     served = diffusers_classes()
     if class_name in served:
         return by_hint(names, served[class_name]) or served[class_name][0]
-    if (cls := by_hint(names)) is not None:
+    if (cls := by_hint(names)) is not None and not _another_pipeline(class_name):
         return cls
     raise ValueError(
         f"{path}: pipeline class {class_name!r} is not served by tilecast "

@@ -223,6 +223,14 @@ def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeyp
     assert resolve_pipeline(model_id) is family
 
 
+def test_a_checkpoint_of_an_unserved_diffusers_pipeline_is_refused_whatever_its_name(tmp_path):
+    edit = _checkpoint_dir(tmp_path / "Qwen-Image-Edit-2511", "QwenImageEditPlusPipeline")
+    with pytest.raises(ValueError, match="'QwenImageEditPlusPipeline' is not served"):
+        resolve_pipeline(str(edit))  # its name holds the hint "Qwen-Image", its class says otherwise
+    renamed = _checkpoint_dir(tmp_path / "Qwen-Image-2512-export", "SomeRenamedPipeline")
+    assert resolve_pipeline(str(renamed)) is QwenImage2512T2IPipeline  # a class diffusers does not know: the name
+
+
 def test_an_unnamed_checkpoint_of_a_shared_class_is_served_by_its_first_declaration(tmp_path):
     assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "my-finetune", "ZImagePipeline"))) is ZImageT2IPipeline
     assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "other", "QwenImagePipeline"))) is QwenImageT2IPipeline
