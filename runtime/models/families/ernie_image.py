@@ -166,7 +166,7 @@ class ErnieImageT2IPipeline(DiffusersBatchPipeline):
         if params.max_sequence_length is not None:
             raise ValueError(
                 f"max_sequence_length cannot be used by {self.family}: ErnieImagePipeline takes no text length "
-                f"(its tokenizer truncates at {self.pipe.tokenizer.model_max_length} tokens)"
+                "(its tokenizer truncates prompts at its own limit)"
             )
 
     def call_kwargs(self, params) -> dict[str, Any]:
