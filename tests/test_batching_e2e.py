@@ -125,12 +125,16 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
     [
         ("tiny/flux", {}, "image/png"),
         ("tiny/qwen-image", {}, "image/png"),
+        ("tiny/qwen-image-2512", {}, "image/png"),
         ("tiny/z-image-turbo", {}, "image/png"),
+        ("tiny/z-image", {}, "image/png"),
         ("tiny/sd3", {}, "image/png"),
         ("tiny/glm-image", {}, "image/png"),
         ("tiny/sana-1.5-1.6b", {}, "image/png"),
         ("tiny/flux.2-dev", {"num_inference_steps": 2}, "image/png"),
         ("tiny/flux.2-klein-4b", {}, "image/png"),
+        ("tiny/ernie-image", {}, "image/png"),
+        ("tiny/ernie-image-turbo", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
     ],
 )

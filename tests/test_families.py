@@ -2,8 +2,9 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7, FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6): batch
-shape may change kernels, the seeds do not change.
+Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7,
+FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6): batch shape may
+change kernels, the seeds do not change.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -20,12 +22,15 @@ import torch
 
 from tests.harness import make_context, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
+from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import TINY_FLUX
 from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
 from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
+from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
+from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -326,6 +331,93 @@ def test_sana_defaults_follow_the_cards_and_the_size_the_checkpoint(loaded):
 def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
     pipe, ctx = loaded("tiny/sana-1.5-1.6b")
     plain = params_for(pipe, prompt="a lighthouse", seed=5, return_tensor=True)
+
+
+# ---- variants: one diffusers class, several released checkpoints ----------------------------
+RELEASED_VARIANTS = {
+    "Tongyi-MAI/Z-Image-Turbo": ZImageT2IPipeline,
+    "Tongyi-MAI/Z-Image": ZImageBaseT2IPipeline,
+    "Qwen/Qwen-Image": QwenImageT2IPipeline,
+    "Qwen/Qwen-Image-2512": QwenImage2512T2IPipeline,
+    "baidu/ERNIE-Image": ErnieImageT2IPipeline,
+    "baidu/ERNIE-Image-Turbo": ErnieImageTurboT2IPipeline,
+}
+"""Released hub id → the pipeline that serves it, where one diffusers class serves several checkpoints."""
+
+
+def _checkpoint_dir(path: Path, diffusers_class: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "model_index.json").write_text(json.dumps({"_class_name": diffusers_class}))
+    return path
+
+
+@pytest.mark.parametrize("model_id", sorted(RELEASED_VARIANTS))
+def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeypatch):
+    from tilecast.runtime import registry
+
+    family = RELEASED_VARIANTS[model_id]
+    name = model_id.rpartition("/")[2]
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family  # --model-id
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "local" / name, family.diffusers_class))) is family
+    for suffix in ("-bf16", "-diffusers"):  # a renamed copy still carries the released name
+        assert resolve_pipeline(str(_checkpoint_dir(tmp_path / f"{name}{suffix}", family.diffusers_class))) is family
+    # a Hub id: its snapshot directory is named by a commit, the id names the variant
+    snapshot = tmp_path / f"models--{model_id.replace('/', '--')}" / "snapshots" / "0123abc"
+    _checkpoint_dir(snapshot, family.diffusers_class)
+    monkeypatch.setattr(registry, "local_dir", lambda model_path: snapshot)
+    assert resolve_pipeline(model_id) is family
+
+
+def test_a_checkpoint_of_an_unserved_diffusers_pipeline_is_refused_whatever_its_name(tmp_path):
+    edit = _checkpoint_dir(tmp_path / "Qwen-Image-Edit-2511", "QwenImageEditPlusPipeline")
+    with pytest.raises(ValueError, match="'QwenImageEditPlusPipeline' is not served"):
+        resolve_pipeline(str(edit))  # its name holds the hint "Qwen-Image", its class says otherwise
+    renamed = _checkpoint_dir(tmp_path / "Qwen-Image-2512-export", "SomeRenamedPipeline")
+    assert resolve_pipeline(str(renamed)) is QwenImage2512T2IPipeline  # a class diffusers does not know: the name
+
+
+def test_an_unnamed_checkpoint_of_a_shared_class_is_served_by_its_first_declaration(tmp_path):
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "my-finetune", "ZImagePipeline"))) is ZImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "other", "QwenImagePipeline"))) is QwenImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "third", "ErnieImagePipeline"))) is ErnieImageT2IPipeline
+
+
+def test_the_longest_hint_wins_whatever_the_listing_order():
+    from tilecast.runtime.registry import by_hint
+
+    for order in ((ZImageT2IPipeline, ZImageBaseT2IPipeline), (ZImageBaseT2IPipeline, ZImageT2IPipeline)):
+        assert by_hint(("/ckpt/z-image-turbo-v2",), order) is ZImageT2IPipeline
+        assert by_hint(("/ckpt/Z-Image",), order) is ZImageBaseT2IPipeline
+        assert by_hint(("/ckpt/flux",), order) is None
+    # every name is searched: the Hub id names the variant when the snapshot directory does not
+    assert by_hint(("0123abc", "Tongyi-MAI/Z-Image-Turbo")) is ZImageT2IPipeline
+
+
+def test_variant_defaults_follow_their_cards(loaded):
+    z_image, _ = loaded("tiny/z-image")
+    p = z_image.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})  # guidance on: a negative prompt is used
+    assert (p.num_inference_steps, p.guidance_scale, z_image.guidance_on(p)) == (50, 4.0, True)
+    assert z_image.pipe.scheduler.config.shift == 6.0  # Tongyi-MAI/Z-Image's scheduler (Turbo: 3.0)
+    turbo, _ = loaded("tiny/z-image-turbo")
+    assert turbo.pipe.scheduler.config.shift == 3.0 and not turbo.guidance_on(turbo.prepare(T2IParams(prompt="x"), {}))
+    qwen, _ = loaded("tiny/qwen-image-2512")
+    p = qwen.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
+    assert qwen.call_kwargs(p)["true_cfg_scale"] == 4.0
+    ernie, _ = loaded("tiny/ernie-image")
+    p = ernie.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})
+    assert (p.num_inference_steps, p.guidance_scale, ernie.guidance_on(p)) == (50, 4.0, True)
+    turbo, _ = loaded("tiny/ernie-image-turbo")
+    p = turbo.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale, turbo.guidance_on(p)) == (8, 1.0, False)
+
+
+# ---- ERNIE-Image ---------------------------------------------------------------------------
+
+
+def test_ernie_negative_prompt_steers_per_request_and_the_prompt_enhancer_stays_off(loaded):
+    pipe, ctx = loaded("tiny/ernie-image")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=4, return_tensor=True)
     negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
     out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
     alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
@@ -435,6 +527,18 @@ def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_c
     unguided = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, guidance_scale=1.0)
     with pytest.raises(ValueError, match="negative_prompt cannot be used"):
         pipe.prepare(msgspec.structs.replace(unguided, negative_prompt="fog"), {})
+    assert pipe.call_kwargs(plain)["use_pe"] is False and "max_sequence_length" not in pipe.call_kwargs(plain)
+
+
+def test_ernie_checkpoint_with_a_prompt_enhancer_loads_without_it(tiny_cache, tmp_path):
+    """The released checkpoints list ``pe`` / ``pe_tokenizer`` (a 3B model): they are not read."""
+    released = tmp_path / "ERNIE-Image"
+    shutil.copytree(ErnieImageT2IPipeline.checkpoint.ensure(tiny_cache), released)
+    index = json.loads((released / "model_index.json").read_text())
+    index.update(pe=["transformers", "Ministral3ForCausalLM"], pe_tokenizer=["transformers", "TokenizersBackend"])
+    (released / "model_index.json").write_text(json.dumps(index))  # no pe/ folder: reading it would fail
+    pipe = ErnieImageT2IPipeline.load(str(released), make_context(tmp_path / "out", dtype="float32"))
+    assert pipe.pipe.pe is None and pipe.pipe.pe_tokenizer is None
 
 
 @pytest.mark.parametrize(
@@ -463,6 +567,8 @@ def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_c
         ),
         ("tiny/flux.2-dev", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by flux.2-dev"),
         ("tiny/flux.2-klein-4b", {"guidance_scale": 2.0}, "guidance_scale must be at most 1.0"),
+        ("tiny/ernie-image", {"max_sequence_length": 64}, "max_sequence_length cannot be used by ernie-image"),
+        ("tiny/ernie-image-turbo", {"negative_prompt": "x"}, "negative_prompt cannot be used by ernie-image-turbo"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],
@@ -522,7 +628,9 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
+@pytest.mark.parametrize(
+    "name", sorted(set(tiny_families(variants=False)) - {"tiny/flux"})
+)  # FLUX: tests/test_flux_fast.py; variants compile their family's transformer
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
     eager, ctx = loaded(name)
     compiled = FAMILIES[name].load(name, make_context(tmp_path, dtype="float32", compile=True))

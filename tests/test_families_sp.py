@@ -11,9 +11,12 @@ The token sequences do not divide by the degree: 48 x 48 pixels give 3 x 3 2x2-p
 tokens on FLUX and Qwen-Image (9), 2 x 3 x 3 on Wan with 5 frames (18, on 4 ranks) and 1 x 3 x 3
 with 1 frame (9, on 2 ranks); SANA (32x autoencoder, 1x1 patches) gets 96 x 224 pixels, a 7 x 3
 grid (21 tokens: 11 per rank on 2 ranks, whose Mix-FFN reads the other shard's edge rows; 6 on 4);
-prompts of different lengths give Qwen-Image a text mask and Z-Image batch padding, so the
-padding and the models' own masks are both exercised (SANA's padded keys unmasked: ~2e-3; its
-neighbour rows zeroed: ~3e-3).
+ERNIE-Image splits one joint sequence, 64 x 48 pixels' 4 x 3 image tokens and the longest prompt's
+61 text tokens (73); prompts of different lengths give Qwen-Image a text mask, Z-Image batch
+padding and ERNIE-Image a text-padding mask, so the padding and the models' own masks are both
+exercised (SANA's padded keys unmasked: ~2e-3; its neighbour rows zeroed: ~3e-3). Variants
+(Z-Image, Qwen-Image-2512, ERNIE-Image-Turbo) run their family's transformer and plan unchanged and
+are not repeated here.
 """
 
 from __future__ import annotations
@@ -25,16 +28,22 @@ import torch
 
 from tests.distributed import one_thread, run_ranks
 from tests.harness import tiny_families
+from tilecast.runtime.models.families.sequence_parallel import resolve_plan, stream_input
+from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
 
 SP_TOL = 1e-4
 """Max abs difference between a request's output in an SP batch and its 1-rank singleton output."""
 
 FAMILIES = {
-    name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in tiny_families().items() if cls.cp_plan is not None
+    name: f"{cls.__module__}:{cls.__qualname__}"
+    for name, cls in tiny_families(variants=False).items()
+    if cls.cp_plan is not None
 }
 """Built-in name → ``"module:Class"`` of every tiny diffusers family with a context-parallel plan (what
-the ranks import). A family without one (``tiny/sd3``, ``tiny/glm-image``: diffusers ships no ``_cp_plan``
-for ``SD3Transformer2DModel`` or ``GlmImageTransformer2DModel``) runs replicated only and refuses the Ulysses and Ring degrees at start-up
+the ranks import; not the variants, which run their family's transformer and plan unchanged). A
+family without one (``tiny/sd3``, ``tiny/glm-image``: diffusers ships no ``_cp_plan`` for
+``SD3Transformer2DModel`` or ``GlmImageTransformer2DModel``) runs replicated only and refuses the
+Ulysses and Ring degrees at start-up
 (``tests/test_refuse_settings.py``; ``test_families_without_a_plan_refuse_sequence_parallel`` below)."""
 
 REQUESTS = (
@@ -56,6 +65,8 @@ def _fields(name: str, world: int) -> dict:
     fields = dict(width=48, height=48, num_inference_steps=2, return_tensor=True)
     if name == "tiny/sana-1.5-1.6b":  # DC-AE's 32x, 1x1 patches: 7 rows of 3 tokens (2 ranks: 11 each, 4: 6)
         fields.update(width=96, height=224)
+    if name == "tiny/ernie-image":  # one joint sequence: 4 x 3 image tokens (16 px each) + 61 text tokens, odd
+        fields["width"] = 64
     if name == "tiny/wan2.1-t2v":
         fields["num_frames"] = 1 if world == 2 else 5
     return fields
@@ -194,7 +205,7 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         # it gets on one rank, and no attention kernel call gets more than 1/N of the (query tokens x
         # heads) of the largest one-rank call (Ulysses: every token, 1/U of the heads; Ring: 1/R of
         # the tokens, every head), padding aside.
-        full = ref_queries[0]
+        full = max(ref_queries)  # ERNIE-Image's joint [image, text] sequence: the batch's longest prompt sets it
         assert result["layer_queries"][0] == -(-full // world), (rank, result["layer_queries"][0], full)
         heads = result["heads"]
         work = max(s * h for _b, s, h, _d in result["kernel_queries"])
@@ -202,8 +213,9 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         if largest is not None:  # FLUX runs tilecast's kernels on one rank too
             assert work * world <= largest + 2 * world * heads and work < largest, (rank, work, largest)
         # The sequence did not divide by the degree: the image tokens were padded and still matched.
-        true_len, local_len = result["splits"]["hidden_states" if name != "tiny/z-image-turbo" else "x"]
-        if name != "tiny/z-image-turbo":  # Z-Image pads every region to 32 tokens itself
+        family = _pipeline_class(name)
+        true_len, local_len = result["splits"][stream_input(resolve_plan(family.cp_plan))]
+        if not issubclass(family, ZImageT2IPipeline):  # Z-Image pads every region to 32 tokens itself
             assert true_len % world and local_len == -(-true_len // world), (rank, true_len, local_len)
     print(f"{name} ulysses={ulysses} ring={ring}: max |SP - one rank| = {max(errors):.3g}")
     return results
@@ -277,6 +289,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/sana-1.5-1.6b": "hidden_states",
         "tiny/flux.2-dev": "hidden_states",
         "tiny/flux.2-klein-4b": "hidden_states",
+        "tiny/ernie-image": "x",
     }
 
 

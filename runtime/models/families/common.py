@@ -394,7 +394,8 @@ class DiffusersBatchPipeline(Pipeline):
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
         """Components of the checkpoint at ``path`` that the family loads itself, by component name
-        (diffusers' loader skips them). Default: none. FLUX.2-dev loads its tokenizer here."""
+        (diffusers' loader skips them; a None one stays unloaded). Default: none. FLUX.2-dev loads its
+        tokenizer here; ERNIE-Image leaves out its prompt enhancer."""
         return {}
 
     @classmethod

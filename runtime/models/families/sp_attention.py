@@ -6,9 +6,10 @@ Each processor does what the diffusers processor it replaces does (projections, 
 embedding, output projections, in the same order and dtype), with the attention itself from
 ``tilecast.kernels.attention.attention`` over the ranks' Ulysses and Ring groups and a key mask
 from ``SequenceState.key_mask``: padded tokens of every split segment, and the model's own masks
-(Qwen-Image's text mask, Z-Image's batch padding), get zero weight. Cross-attention to
-replicated text (Wan, SANA) needs no exchange and runs locally. SANA's linear self-attention is
-the one non-softmax case: an all-reduce of its key/value sums instead of the kernels' exchange.
+(Qwen-Image's text mask, Z-Image's batch padding, ERNIE-Image's text padding), get zero weight.
+Cross-attention to replicated text (Wan, SANA) needs no exchange and runs locally. SANA's linear
+self-attention is the one non-softmax case: an all-reduce of its key/value sums instead of the
+kernels' exchange.
 
 ``install_processors`` picks the processor by the class of the one a layer has; a layer with any
 other processor is refused (it would attend only to this rank's shard).
@@ -304,7 +305,39 @@ class SanaCrossSequenceParallelProcessor(_SequenceParallelProcessor):
         return output / attn.rescale_output_factor
 
 
+class ErnieImageSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``ErnieImageSingleStreamAttnProcessor``: single-stream attention over the split ``[image, text]``
+    tokens (the plan's stream input ``x``), keys masked by the model's text-padding mask (split by
+    the plan) and by padding."""
+
+    def __call__(self, attn, hidden_states, attention_mask=None, freqs_cis=None):
+        q_BSHD, k_BSHD, v_BSHD = (
+            proj(hidden_states).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        if attn.norm_q is not None:
+            q_BSHD = attn.norm_q(q_BSHD)
+        if attn.norm_k is not None:
+            k_BSHD = attn.norm_k(k_BSHD)
+        if freqs_cis is not None:
+            q_BSHD, k_BSHD = _ernie_rotary(q_BSHD, freqs_cis), _ernie_rotary(k_BSHD, freqs_cis)
+        if attention_mask is not None:  # (B, 1, 1, S) as the model builds it, or (B, S)
+            attention_mask = attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[-1])
+        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [(self.state.stream, attention_mask)])
+        return attn.to_out[0](out_BSHD.flatten(2, 3).to(q_BSHD.dtype))
+
+
+def _ernie_rotary(x_BSHD: torch.Tensor, freqs_B_S_1_R: torch.Tensor) -> torch.Tensor:
+    """ERNIE-Image's rotary embedding on the first ``R`` channels (``ErnieImageSingleStreamAttnProcessor``:
+    non-interleaved rotate-half, angles ``[t0, t0, t1, t1, ...]``)."""
+    rot = freqs_B_S_1_R.shape[-1]
+    x, x_pass = x_BSHD[..., :rot], x_BSHD[..., rot:]
+    cos, sin = torch.cos(freqs_B_S_1_R).to(x.dtype), torch.sin(freqs_B_S_1_R).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
+
+
 PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
+    "ErnieImageSingleStreamAttnProcessor": ErnieImageSequenceParallelProcessor,
     "FluxAttnProcessor": FluxSequenceParallelProcessor,
     "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
     "Flux2AttnProcessor": Flux2SequenceParallelProcessor,

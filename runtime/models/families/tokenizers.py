@@ -1,8 +1,9 @@
 """Offline tokenizers for the built-in tiny checkpoints: the real transformers classes, tiny vocabularies.
 
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
-(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, a Mistral-style
-byte-level ``PreTrainedTokenizerFast``, GLM-Image's byte-level BPE) directly from an in-memory
+(``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, byte-level
+``PreTrainedTokenizerFast``s for the Mistral encoders of FLUX.2-dev and ERNIE-Image, GLM-Image's
+byte-level BPE) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
@@ -10,9 +11,8 @@ on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
 ``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``GEMMA_VOCAB_SIZE``, ``MISTRAL_VOCAB_SIZE``,
-``glm_image_vocab_size(codebook_size)``.
-(ByT5, GLM-Image's glyph tokenizer, needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built
-offline as it is.)
+``ERNIE_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``. (ByT5, GLM-Image's glyph tokenizer,
+needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built offline as it is.)
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ QWEN_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 """A Qwen-style chat template (the Z-Image pipeline formats prompts with ``apply_chat_template``)."""
+
+# ---- Mistral (Tekken: byte-level BPE), as ERNIE-Image's text encoder reads it ----------------
+ERNIE_SPECIAL = ["<unk>", "<s>", "</s>"]
+"""Mistral's first control tokens, with their ids 0, 1, 2."""
+ERNIE_VOCAB_SIZE = len(ERNIE_SPECIAL) + 256
 
 
 # ---- GLM-Image's autoregressive model (byte-level BPE; image codebook ids first) ----------
@@ -211,6 +216,19 @@ def mistral_tokenizer(*, model_max_length: int = 4096):
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(MISTRAL_SPECIAL)
     tokenizer = PreTrainedTokenizerFast(
+def ernie_tokenizer(*, model_max_length: int = 512):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with Mistral's ``<unk>``/``<s>``/``</s>`` that
+    prepends ``<s>`` to every text (``add_special_tokens``), as ERNIE-Image's Mistral tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(ERNIE_SPECIAL + _byte_alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(ERNIE_SPECIAL)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<s>",
         eos_token="</s>",
@@ -220,3 +238,5 @@ def mistral_tokenizer(*, model_max_length: int = 4096):
     )
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
     return tokenizer
+        model_max_length=model_max_length,
+    )
