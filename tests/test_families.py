@@ -331,6 +331,11 @@ def test_sana_defaults_follow_the_cards_and_the_size_the_checkpoint(loaded):
 def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
     pipe, ctx = loaded("tiny/sana-1.5-1.6b")
     plain = params_for(pipe, prompt="a lighthouse", seed=5, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+    assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
 
 
 # ---- variants: one diffusers class, several released checkpoints ----------------------------
@@ -423,6 +428,7 @@ def test_ernie_negative_prompt_steers_per_request_and_the_prompt_enhancer_stays_
     alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
     assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
     assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
+    assert pipe.call_kwargs(plain)["use_pe"] is False and "max_sequence_length" not in pipe.call_kwargs(plain)
 
 
 # ---- FLUX.2-dev and FLUX.2 [klein] ---------------------------------------------------------

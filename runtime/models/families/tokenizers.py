@@ -216,6 +216,17 @@ def mistral_tokenizer(*, model_max_length: int = 4096):
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(MISTRAL_SPECIAL)
     tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def ernie_tokenizer(*, model_max_length: int = 512):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with Mistral's ``<unk>``/``<s>``/``</s>`` that
     prepends ``<s>`` to every text (``add_special_tokens``), as ERNIE-Image's Mistral tokenizer does."""
@@ -234,9 +245,5 @@ def ernie_tokenizer(*, model_max_length: int = 512):
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=model_max_length,
-    )
-    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
-    return tokenizer
         model_max_length=model_max_length,
     )
