@@ -244,6 +244,5 @@ def ernie_tokenizer(*, model_max_length: int = 512):
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
-        pad_token="<pad>",
         model_max_length=model_max_length,
     )
