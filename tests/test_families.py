@@ -533,7 +533,6 @@ def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_c
     unguided = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, guidance_scale=1.0)
     with pytest.raises(ValueError, match="negative_prompt cannot be used"):
         pipe.prepare(msgspec.structs.replace(unguided, negative_prompt="fog"), {})
-    assert pipe.call_kwargs(plain)["use_pe"] is False and "max_sequence_length" not in pipe.call_kwargs(plain)
 
 
 def test_ernie_checkpoint_with_a_prompt_enhancer_loads_without_it(tiny_cache, tmp_path):
