@@ -33,6 +33,9 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
     "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
+    "tilecast.runtime.models.families.hunyuan_video:HunyuanVideoT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosPyramidT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where two declare the same diffusers class (FLUX's
