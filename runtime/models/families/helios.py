@@ -68,6 +68,8 @@ CHUNK_LATENT_FRAMES = 9
 """Latent frames per autoregressive chunk (diffusers' ``num_latent_frames_per_chunk``, as released)."""
 MAX_FRAMES = 32 * 32 + 1
 """Longest video a request may ask for (32 chunks, 43 s at 24 fps)."""
+RELEASED_LAYERS = 40
+"""Transformer blocks of the released Helios checkpoints (and of the tiny ones: see ``_tiny_transformer``)."""
 PYRAMID_DEFAULTS = {True: (2, 1.0), False: (20, 5.0)}
 """Steps per pyramid stage and guidance scale: Helios-Distilled (``is_distilled``), Helios-Mid."""
 
@@ -112,15 +114,15 @@ def _text_encoder_and_tokenizer():
 def _tiny_transformer():
     from diffusers import HeliosTransformer3DModel
 
-    return HeliosTransformer3DModel(
+    return HeliosTransformer3DModel(  # 40 blocks: diffusers' _cp_plan names the released model's 40 by index
         patch_size=(1, 2, 2),
-        **common.TINY_DIT,
+        **{**common.TINY_DIT, "num_layers": RELEASED_LAYERS},
         in_channels=16,
         out_channels=16,
         text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=64,
-        rope_dim=common.TINY_ROPE_AXES,
+        rope_dim=common.TINY_ROPE_AXES,  # diffusers' _cp_plan names the released model's 40 blocks by index
     ).eval()
 
 
@@ -192,7 +194,7 @@ class HeliosT2VPipeline(DiffusersBatchPipeline):
     builtin_name = "tiny/helios-base"
     model_id_hints = ("Helios-Base",)
     """``BestWishYsh/Helios-Base``, case-insensitively."""
-    cp_plan = None
+    cp_plan = "diffusers:HeliosTransformer3DModel._cp_plan"
     size_multiple = 16
     """The VAE's 8x on 2x2 patches."""
     default_steps = 50

@@ -304,6 +304,59 @@ class SanaCrossSequenceParallelProcessor(_SequenceParallelProcessor):
         return output / attn.rescale_output_factor
 
 
+class HeliosSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``HeliosAttnProcessor``: diffusers' Helios plan splits every attention call's input (the
+    ``[history, current]`` tokens for self-attention, the current chunk's tokens for cross-attention)
+    and gathers its output. Self-attention runs across the ranks; a history-amplified layer
+    (``is_amplify_history``) scales the keys of the history tokens, found by their position in the
+    whole sequence; cross-attention to the full text runs locally (unmasked, as diffusers runs it)."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        rotary_emb=None,
+        original_context_length=None,
+    ):
+        from diffusers.models.transformers.transformer_helios import (
+            _get_qkv_projections,
+            apply_rotary_emb_transposed,
+        )
+
+        if attention_mask is not None:
+            raise ValueError("Helios' sequence-parallel attention takes no attention_mask")
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        q_BSHD, k_BSHD, v_BSHD = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            q_BSHD = apply_rotary_emb_transposed(q_BSHD, rotary_emb)
+            k_BSHD = apply_rotary_emb_transposed(k_BSHD, rotary_emb)
+        if encoder_hidden_states is not None:  # cross-attention to the full text, here
+            out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend)
+        else:
+            if attn.is_amplify_history:
+                k_BSHD = self._amplify_history(attn, k_BSHD, original_context_length)
+            out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("hidden_states", None)])
+        out_BSC = out_BSHD.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out_BSC))
+
+    def _amplify_history(self, attn, k_BSHD: torch.Tensor, original_context_length: int) -> torch.Tensor:
+        """The keys of this shard with the history tokens' scaled (``HeliosAttnProcessor``'s rule,
+        history = the whole sequence's tokens before the last ``original_context_length``)."""
+        split = self.state.splits["hidden_states"]
+        history_len = split.true_len - original_context_length
+        if history_len <= 0:
+            return k_BSHD
+        scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
+        if attn.history_scale_mode == "per_head":
+            scale = scale.view(1, 1, -1, 1)
+        start = self.state.parallel.sp_rank * split.local_len
+        history_S = torch.arange(start, start + split.local_len, device=k_BSHD.device) < history_len
+        return torch.where(history_S[None, :, None, None], k_BSHD * scale, k_BSHD)
+
+
 PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
     "FluxAttnProcessor": FluxSequenceParallelProcessor,
     "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
@@ -314,6 +367,7 @@ PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
     "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,
     "SanaLinearAttnProcessor2_0": SanaLinearSequenceParallelProcessor,
     "SanaAttnProcessor2_0": SanaCrossSequenceParallelProcessor,
+    "HeliosAttnProcessor": HeliosSequenceParallelProcessor,
 }
 """Class name of the processor a layer has → the sequence-parallel processor that replaces it."""
 
