@@ -16,8 +16,8 @@ Helios-Distilled is step-distilled (``is_distilled``) with ``HeliosDMDScheduler`
 checkpoints differ in nothing else: same text encoder, VAE and transformer architecture.
 
 The tiny checkpoints keep the real structure with every size shrunk: a ``HeliosTransformer3DModel``
-on 1x2x2 patches with the multi-term memory patches (short 1x2x2, mid 2x4x4, long 4x8x8), a
-``UMT5EncoderModel`` text encoder with an offline ``T5TokenizerFast`` (``tiny/wan2.1-t2v``'s), and
+of 40 blocks (the released count, see Ranks) on 1x2x2 patches with the multi-term memory patches
+(short 1x2x2, mid 2x4x4, long 4x8x8), a ``UMT5EncoderModel`` text encoder with an offline ``T5TokenizerFast`` (``tiny/wan2.1-t2v``'s), and
 the causal ``AutoencoderKLWan`` (16 latent channels, 4x temporal): 8x spatial for Base as
 released; ``tiny/helios-distilled`` uses a 4x spatial VAE (one level less) so that its three
 pyramid stages fit the families' 32x32 test size (the released 8x VAE needs sides in multiples of
@@ -37,15 +37,18 @@ batched == singleton within 1e-5). The pyramid rows are served one request at a 
 block noise from the first request's generator, so a merged request's video depends on its batch
 mates (``tests/test_hunyuan_helios.py`` pins this).
 
-Ranks: data-parallel only (``cp_plan`` None; Ulysses and Ring refused). diffusers ships a
-``_cp_plan`` for ``HeliosTransformer3DModel``, but it names the 40 blocks of the released model by
-index and splits at every attention and feed-forward call, and tilecast has no sequence-parallel
-counterpart of ``HeliosAttnProcessor`` (its self-attention scales the history keys by their
-position in the whole sequence, ``is_amplify_history``): not done here.
+Ranks: Ulysses and Ring run diffusers' ``_cp_plan`` for ``HeliosTransformer3DModel``: every
+self-attention, cross-attention and feed-forward call's tokens are split over the ranks and its
+output gathered (``sp_attention.HeliosSequenceParallelProcessor``: self-attention across the ranks,
+with ``is_amplify_history``'s history-key scaling by global position; cross-attention to the
+replicated text locally). The plan names the released model's 40 blocks by index, so the tiny
+transformers keep 40 (tiny) blocks. 2 and 4 gloo ranks match one rank within 5e-6.
 
-diffusers 0.42.1's Helios pipelines call ``ftfy.fix_text`` on every prompt without checking that
-ftfy is installed (Wan's pipelines check): without ftfy, ``guard_missing_ftfy`` makes them skip it,
-as Wan's do (HTML unescaping and whitespace cleaning still run).
+Two diffusers 0.42.1 gaps are covered here: CFG-Zero* views the transformer's output, which is not
+contiguous where a pyramid stage is one patch wide (``_contiguous_output``); and the Helios
+pipelines call ``ftfy.fix_text`` on every prompt without checking that ftfy is installed (Wan's
+pipelines check): without ftfy, ``guard_missing_ftfy`` makes them skip it, as Wan's do (HTML
+unescaping and whitespace cleaning still run).
 """
 
 from __future__ import annotations
@@ -173,6 +176,18 @@ TINY_HELIOS_DISTILLED = TinyCheckpoint(
 )
 
 
+def _contiguous_output(module, args, output):
+    """The transformer's output made contiguous (values unchanged). ``HeliosPyramidPipeline``'s CFG-Zero*
+    (Helios-Mid) calls ``.view`` on it, which fails in diffusers 0.42.1 where a pyramid stage's
+    latent grid is one patch wide (the smallest sizes: 64 pixels with the released VAE): the
+    unpatchified output is then a non-contiguous view."""
+    if torch.is_tensor(output):
+        return output.contiguous()
+    if isinstance(output, tuple):
+        return tuple(o.contiguous() if torch.is_tensor(o) else o for o in output)
+    return output
+
+
 class HeliosParams(T2VParams, forbid_unknown_fields=True, kw_only=True):
     """A Helios request: ``T2VParams`` with one chunk's 33 frames at 24 fps by default."""
 
@@ -262,6 +277,9 @@ class HeliosPyramidT2VPipeline(HeliosT2VPipeline):
         """Pyramid stages per chunk (3 as released)."""
         self.size_multiple = pipe.vae_scale_factor_spatial * 2 * 2 ** (self.stages - 1)
         """Every stage's latent sides must still split into 2x2 patches (64 with the released VAE)."""
+        if not getattr(pipe.transformer, "_tilecast_contiguous_output", False):
+            pipe.transformer.register_forward_hook(_contiguous_output)
+            pipe.transformer._tilecast_contiguous_output = True
 
     def denoising_steps(self, params) -> int:
         per_chunk = params.num_inference_steps * self.stages
