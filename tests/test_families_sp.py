@@ -11,6 +11,8 @@ The token sequences do not divide by the degree: 48 x 48 pixels give 3 x 3 2x2-p
 tokens on FLUX and Qwen-Image (9), 2 x 3 x 3 on Wan with 5 frames (18, on 4 ranks) and 1 x 3 x 3
 with 1 frame (9, on 2 ranks); SANA (32x autoencoder, 1x1 patches) gets 96 x 224 pixels, a 7 x 3
 grid (21 tokens: 11 per rank on 2 ranks, whose Mix-FFN reads the other shard's edge rows; 6 on 4);
+HunyuanVideo 1 x 3 x 3 / 2 x 3 x 3 like Wan, with its padded text split and masked; Helios-Base one
+33-frame chunk (81 current + 26 history tokens = 107; Helios' pyramid: 49 in its first stage);
 prompts of different lengths give Qwen-Image a text mask and Z-Image batch padding, so the
 padding and the models' own masks are both exercised (SANA's padded keys unmasked: ~2e-3; its
 neighbour rows zeroed: ~3e-3).
@@ -57,6 +59,8 @@ def _fields(name: str, world: int) -> dict:
     if name == "tiny/sana-1.5-1.6b":  # DC-AE's 32x, 1x1 patches: 7 rows of 3 tokens (2 ranks: 11 each, 4: 6)
         fields.update(width=96, height=224)
     if name == "tiny/wan2.1-t2v":
+        fields["num_frames"] = 1 if world == 2 else 5
+    if name == "tiny/hunyuanvideo":  # 1 latent frame of 3 x 3 tokens on 2 ranks (9), 2 frames on 4 (18)
         fields["num_frames"] = 1 if world == 2 else 5
     if name == "tiny/helios-base":  # one chunk: 81 current + 26 history tokens (107), 81 for cross-attention
         fields["num_frames"] = 33
@@ -113,6 +117,19 @@ def _record_kernel_calls() -> list:
     return calls
 
 
+REPLICATED_PROCESSORS = ("TextOnlyAttnProcessor", "ReplicatedAttnProcessor")
+"""Attention on tokens the plan does not split (HunyuanVideo's token refiner on the text)."""
+
+
+def _first_split_attention(transformer):
+    """The first attention layer whose tokens the plan splits."""
+    return next(
+        m
+        for m in transformer.modules()
+        if hasattr(m, "set_processor") and type(m.processor).__name__ not in REPLICATED_PROCESSORS
+    )
+
+
 def _sp_ranks(rank, world_size, name, ulysses, ring, cache_dir, output_dir, fields, settings=None) -> dict:
     """One rank: load with an Ulysses x Ring topology, run the merged batch; outputs and what attention saw."""
     os.environ["TILECAST_CACHE"] = cache_dir
@@ -124,7 +141,7 @@ def _sp_ranks(rank, world_size, name, ulysses, ring, cache_dir, output_dir, fiel
     ctx = _context(rank, world_size, output_dir, groups, ulysses, ring, **(settings or {}))
     pipeline = _pipeline_class(name).load(name, ctx)
     queries = []
-    first = next(m for m in pipeline.pipe.transformer.modules() if hasattr(m, "set_processor"))
+    first = _first_split_attention(pipeline.pipe.transformer)
     first.register_forward_pre_hook(
         lambda module, args, kwargs: queries.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
         with_kwargs=True,
@@ -149,7 +166,7 @@ def _references(name: str, cache_dir, output_dir, fields) -> tuple[list[torch.Te
     with one_thread():
         pipeline = _pipeline_class(name).load(name, ctx)
         queries = []
-        first = next(m for m in pipeline.pipe.transformer.modules() if hasattr(m, "set_processor"))
+        first = _first_split_attention(pipeline.pipe.transformer)
         first.register_forward_pre_hook(
             lambda module, args, kwargs: queries.append(
                 (kwargs.get("hidden_states", args[0] if args else None)).shape[1]
@@ -286,6 +303,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/flux.2-klein-4b": "hidden_states",
         "tiny/helios-base": "hidden_states",
         "tiny/helios-distilled": "hidden_states",
+        "tiny/hunyuanvideo": "hidden_states",
     }
 
 
@@ -293,7 +311,7 @@ def test_families_without_a_plan_refuse_sequence_parallel():
     from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 
     unplanned = {name: cls for name, cls in tiny_families().items() if cls.cp_plan is None}
-    assert set(unplanned) == {"tiny/sd3", "tiny/glm-image", "tiny/hunyuanvideo"}
+    assert set(unplanned) == {"tiny/sd3", "tiny/glm-image"}
     for name, cls in unplanned.items():
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}):
             with pytest.raises(UnsupportedSettingError, match="not supported by"):

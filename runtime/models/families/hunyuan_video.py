@@ -26,10 +26,11 @@ transformer's *embedded* guidance (HunyuanVideo is guidance-distilled): no class
 runs, so ``negative_prompt`` and ``true_cfg_scale`` are refused. SGLang's ``flow_shift`` sets the
 scheduler's shift for the batch. ``num_frames`` must be ``4k + 1`` (the VAE's temporal factor).
 
-Ranks: data-parallel only (``cp_plan`` None; Ulysses and Ring refused). diffusers 0.42 ships no
-``_cp_plan`` for ``HunyuanVideoTransformer3DModel``, and tilecast has no sequence-parallel
-counterpart of its attention processors (the token refiner's masked self-attention on the text,
-the dual-stream joint attention and the single-stream blocks' attention over ``[video, text]``).
+Ranks: Ulysses and Ring run tilecast's plan (``hunyuan_video_cp_plan``; diffusers 0.42 ships none
+for ``HunyuanVideoTransformer3DModel``): the token refiner runs on the whole text on every rank,
+then the video tokens and the text are split over the ranks for the dual- and single-stream blocks
+(joint ``[video, text]`` attention across the ranks, the text's padding masked) and the video
+gathered after the output projection. 2 and 4 gloo ranks match one rank within 4e-6.
 """
 
 from __future__ import annotations
@@ -137,6 +138,36 @@ TINY_HUNYUAN_VIDEO = TinyCheckpoint(
 )
 
 
+def hunyuan_video_cp_plan() -> dict:
+    """``HunyuanVideoTransformer3DModel``'s context-parallel plan, in diffusers' ``_cp_plan`` form
+    (diffusers 0.42 ships none). The token refiner runs on the whole text first; the video tokens
+    and the refined text are split at the first dual-stream block, the rotary tables at every block,
+    and the video tokens gathered after ``proj_out`` (the text's last state is not used). The
+    attention layers join ``[video shard, text shard]`` across the ranks
+    (``sp_attention.HunyuanVideoSequenceParallelProcessor``), the text's padding masked."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    rope = (ContextParallelInput(split_dim=0, expected_dims=2, split_output=False),) * 2  # (cos, sin): (S, D)
+    return {
+        "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
+        "transformer_blocks.*": {"freqs_cis": rope},
+        "single_transformer_blocks.*": {"image_rotary_emb": rope},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _text_only_processor():
+    """diffusers' ``AttnProcessor2_0`` under its own name, for the token refiner's self-attention on
+    the text alone: under Ulysses / Ring it stays as it is (``sp_attention.ReplicatedAttnProcessor``)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class TextOnlyAttnProcessor(AttnProcessor2_0):
+        pass
+
+    return TextOnlyAttnProcessor()
+
+
 class HunyuanVideoParams(T2VParams, forbid_unknown_fields=True, kw_only=True):
     """A HunyuanVideo request: ``T2VParams`` at the release's 24 fps."""
 
@@ -157,7 +188,7 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
     builtin_name = "tiny/hunyuanvideo"
     model_id_hints = ("FastHunyuan", "HunyuanVideo")
     """``FastVideo/FastHunyuan-diffusers`` and ``hunyuanvideo-community/HunyuanVideo``, case-insensitively."""
-    cp_plan = None
+    cp_plan = f"{__name__}:hunyuan_video_cp_plan"
     size_multiple = 16
     """The VAE's 8x on 2x2 patches."""
     default_steps = BASE_STEPS
@@ -167,6 +198,15 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
+
+    @classmethod
+    def install_fast_paths(cls, pipe, settings) -> None:
+        """The token refiner's attention layers get ``TextOnlyAttnProcessor`` (the same computation),
+        which Ulysses / Ring leave as it is; then the base ``--compile``."""
+        for module in pipe.transformer.context_embedder.modules():
+            if hasattr(module, "set_processor"):
+                module.set_processor(_text_only_processor())
+        super().install_fast_paths(pipe, settings)
 
     @classmethod
     def load(cls, model_path: str, ctx) -> "HunyuanVideoT2VPipeline":
