@@ -44,6 +44,9 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.ernie_image:ErnieImageT2IPipeline",
     "tilecast.runtime.models.families.ernie_image:ErnieImageTurboT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
+    "tilecast.runtime.models.families.hunyuan_video:HunyuanVideoT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosPyramidT2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where several declare the same diffusers class (FLUX's

@@ -136,6 +136,9 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/ernie-image", {}, "image/png"),
         ("tiny/ernie-image-turbo", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
+        ("tiny/hunyuanvideo", {"num_frames": 5, "num_inference_steps": 2}, "video/mp4"),
+        ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
+        ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):

@@ -592,10 +592,13 @@ class DiffusersBatchPipeline(Pipeline):
         key = self.batch_key(first)
         for item in items[1:]:
             assert self.batch_key(item.params) == key, "scheduler merged incompatible requests"
-        steps = first.num_inference_steps
+        steps = self.denoising_steps(first)
+        done = 0
 
-        def on_step(_pipe, step, _timestep, callback_kwargs):
-            ctx.progress(step + 1, steps)
+        def on_step(_pipe, _step, _timestep, callback_kwargs):
+            nonlocal done
+            done = min(done + 1, steps)
+            ctx.progress(done, steps)
             ctx.cancel_point()  # every rank runs the same steps (replicated or split): a boundary they share
             return callback_kwargs
 
@@ -604,6 +607,11 @@ class DiffusersBatchPipeline(Pipeline):
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
             result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
+
+    def denoising_steps(self, params) -> int:
+        """Denoising steps one call runs for ``params`` (what progress counts): ``num_inference_steps``;
+        a family whose pipeline runs several rounds of steps (Helios' chunks and stages) says so."""
+        return params.num_inference_steps
 
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
         """One denoising step at the request defaults' size."""

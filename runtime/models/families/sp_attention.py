@@ -6,7 +6,8 @@ Each processor does what the diffusers processor it replaces does (projections, 
 embedding, output projections, in the same order and dtype), with the attention itself from
 ``tilecast.kernels.attention.attention`` over the ranks' Ulysses and Ring groups and a key mask
 from ``SequenceState.key_mask``: padded tokens of every split segment, and the model's own masks
-(Qwen-Image's text mask, Z-Image's batch padding, ERNIE-Image's text padding), get zero weight.
+(Qwen-Image's and HunyuanVideo's text masks, Z-Image's batch padding, ERNIE-Image's text padding),
+get zero weight.
 Cross-attention to replicated text (Wan, SANA) needs no exchange and runs locally. SANA's linear
 self-attention is the one non-softmax case: an all-reduce of its key/value sums instead of the
 kernels' exchange.
@@ -376,3 +377,125 @@ def install_processors(transformer: nn.Module, state: SequenceState, backend: st
     for _name, module in layers:
         module.set_processor(PROCESSORS[type(module.processor).__name__](state, backend))
     return len(layers)
+
+
+class HeliosSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``HeliosAttnProcessor``: diffusers' Helios plan splits every attention call's input (the
+    ``[history, current]`` tokens for self-attention, the current chunk's tokens for cross-attention)
+    and gathers its output. Self-attention runs across the ranks; a history-amplified layer
+    (``is_amplify_history``) scales the keys of the history tokens, found by their position in the
+    whole sequence; cross-attention to the full text runs locally (unmasked, as diffusers runs it)."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        rotary_emb=None,
+        original_context_length=None,
+    ):
+        from diffusers.models.transformers.transformer_helios import (
+            _get_qkv_projections,
+            apply_rotary_emb_transposed,
+        )
+
+        if attention_mask is not None:
+            raise ValueError("Helios' sequence-parallel attention takes no attention_mask")
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        q_BSHD, k_BSHD, v_BSHD = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            q_BSHD = apply_rotary_emb_transposed(q_BSHD, rotary_emb)
+            k_BSHD = apply_rotary_emb_transposed(k_BSHD, rotary_emb)
+        if encoder_hidden_states is not None:  # cross-attention to the full text, here
+            out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend)
+        else:
+            if attn.is_amplify_history:
+                k_BSHD = self._amplify_history(attn, k_BSHD, original_context_length)
+            out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("hidden_states", None)])
+        out_BSC = out_BSHD.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out_BSC))
+
+    def _amplify_history(self, attn, k_BSHD: torch.Tensor, original_context_length: int) -> torch.Tensor:
+        """The keys of this shard with the history tokens' scaled (``HeliosAttnProcessor``'s rule,
+        history = the whole sequence's tokens before the last ``original_context_length``)."""
+        split = self.state.splits["hidden_states"]
+        history_len = split.true_len - original_context_length
+        if history_len <= 0:
+            return k_BSHD
+        scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
+        if attn.history_scale_mode == "per_head":
+            scale = scale.view(1, 1, -1, 1)
+        start = self.state.parallel.sp_rank * split.local_len
+        history_S = torch.arange(start, start + split.local_len, device=k_BSHD.device) < history_len
+        return torch.where(history_S[None, :, None, None], k_BSHD * scale, k_BSHD)
+
+
+class HunyuanVideoSequenceParallelProcessor(_SequenceParallelProcessor):
+    """``HunyuanVideoAttnProcessor2_0``: joint ``[video, text]`` attention of HunyuanVideo's dual-stream
+    blocks (the text through its own projections) and single-stream blocks (one projection for
+    both), over the split video and text tokens. The model's mask (``(B, 1, 1, video + text)``:
+    the text's padding) is read for the text part and split as the text is."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if encoder_hidden_states is None:
+            raise ValueError("HunyuanVideo's sequence-parallel attention needs encoder_hidden_states (the text)")
+        video_len = hidden_states.shape[1]
+        if attn.add_q_proj is None:  # single-stream: one set of projections for [video, text]
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        q_BSHD, k_BSHD, v_BSHD = (
+            proj(hidden_states).unflatten(2, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        if attn.norm_q is not None:
+            q_BSHD = attn.norm_q(q_BSHD)
+        if attn.norm_k is not None:
+            k_BSHD = attn.norm_k(k_BSHD)
+        if image_rotary_emb is not None:  # on the video tokens only
+            q_BSHD = torch.cat(
+                [apply_rotary_emb(q_BSHD[:, :video_len], image_rotary_emb, sequence_dim=1), q_BSHD[:, video_len:]],
+                dim=1,
+            )
+            k_BSHD = torch.cat(
+                [apply_rotary_emb(k_BSHD[:, :video_len], image_rotary_emb, sequence_dim=1), k_BSHD[:, video_len:]],
+                dim=1,
+            )
+        if attn.add_q_proj is not None:  # dual-stream: the text's own projections
+            text_q, text_k, text_v = (
+                proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
+            if attn.norm_added_q is not None:
+                text_q = attn.norm_added_q(text_q)
+            if attn.norm_added_k is not None:
+                text_k = attn.norm_added_k(text_k)
+            q_BSHD, k_BSHD, v_BSHD = (
+                torch.cat(pair, dim=1) for pair in ((q_BSHD, text_q), (k_BSHD, text_k), (v_BSHD, text_v))
+            )
+        text_mask_BS = None
+        if attention_mask is not None:
+            full_BN = attention_mask.reshape(attention_mask.shape[0], -1)
+            video_true = self.state.splits["hidden_states"].true_len
+            text_mask_BS = self.state.split("encoder_attention_mask", full_BN[:, video_true:], dim=1)
+        out_BSHD = self.attend(
+            q_BSHD, k_BSHD, v_BSHD, [("hidden_states", None), ("encoder_hidden_states", text_mask_BS)]
+        )
+        out_BSC = out_BSHD.flatten(2, 3).to(q_BSHD.dtype)
+        video_out, text_out = out_BSC[:, :video_len], out_BSC[:, video_len:]
+        if getattr(attn, "to_out", None) is not None:
+            video_out = attn.to_out[1](attn.to_out[0](video_out))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = attn.to_add_out(text_out)
+        return video_out, text_out
+
+
+class ReplicatedAttnProcessor(_SequenceParallelProcessor):
+    """diffusers' ``AttnProcessor2_0`` unchanged, for a layer that runs before the plan splits any
+    token (HunyuanVideo's token refiner, on the whole text on every rank; ``TextOnlyAttnProcessor``)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        return AttnProcessor2_0()(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)

@@ -3,7 +3,7 @@
 Nothing is downloaded. Each builder constructs the tokenizer class a diffusers pipeline expects
 (``CLIPTokenizer``, ``T5TokenizerFast``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, byte-level
 ``PreTrainedTokenizerFast``s for the Mistral encoders of FLUX.2-dev and ERNIE-Image, GLM-Image's
-byte-level BPE) directly from an in-memory
+byte-level BPE, a Llama 3-style byte-level BPE for HunyuanVideo) directly from an in-memory
 character-level vocabulary, so the class keeps its own normaliser, pre-tokeniser and
 post-processor, and ``save_pretrained`` writes files that ``from_pretrained(local_dir)`` reads
 back offline. The vocabularies are fixed lists (printable ASCII), so the files are byte-identical
@@ -11,7 +11,7 @@ on every build.
 
 Vocabulary sizes (the tiny text encoders' ``vocab_size`` must cover them): ``CLIP_VOCAB_SIZE``,
 ``T5_VOCAB_SIZE``, ``QWEN_VOCAB_SIZE``, ``GEMMA_VOCAB_SIZE``, ``MISTRAL_VOCAB_SIZE``,
-``ERNIE_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``. (ByT5, GLM-Image's glyph tokenizer,
+``ERNIE_VOCAB_SIZE``, ``glm_image_vocab_size(codebook_size)``, ``llama3_vocab_size(words)``. (ByT5, GLM-Image's glyph tokenizer,
 needs no vocabulary: ``transformers.ByT5Tokenizer()`` is built offline as it is.)
 """
 
@@ -244,5 +244,72 @@ def ernie_tokenizer(*, model_max_length: int = 512):
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
+
+
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+"""Llama 3's control tokens that chat-formatted prompts use (ids 0..4 here)."""
+
+
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+"""Llama 3's pre-tokenizer pattern (words with their leading space, digits in threes, punctuation runs)."""
+
+
+def _llama3_pre_tokenizer():
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def llama3_words(text: str) -> list[str]:
+    """The byte-level pieces Llama 3's pre-tokenizer cuts ``text`` into (control tokens left out), in
+    order of first appearance: the whole words ``llama3_tokenizer`` may keep as single tokens."""
+    import re
+
+    words: list[str] = []
+    pre = _llama3_pre_tokenizer()
+    for part in re.split("|".join(re.escape(token) for token in LLAMA3_SPECIAL), text):
+        for piece, _span in pre.pre_tokenize_str(part):
+            if piece not in words:
+                words.append(piece)
+    return words
+
+
+def llama3_vocab_size(words: list[str]) -> int:
+    """Size of ``llama3_tokenizer(words=words)``'s vocabulary."""
+    return len(dict.fromkeys(LLAMA3_SPECIAL + _byte_alphabet() + list(words)))
+
+
+def llama3_tokenizer(*, words: list[str] = (), model_max_length: int = 4096):
+    """A Llama 3-style ``PreTrainedTokenizerFast``: Llama 3's split pattern and byte-level alphabet, its
+    control tokens, ``<|begin_of_text|>`` first, right padding with ``<|end_of_text|>``. ``words``
+    (byte-level pieces, ``llama3_words``) are whole tokens, as Llama 3's merges make the common English
+    words (``ignore_merges``: a piece in the vocabulary is taken whole); any other piece falls back to
+    one token per byte. HunyuanVideo's pipeline crops its prompt template's first 95 tokens: with the
+    template's words whole, the template tokenizes to exactly that many, as with Llama 3's own tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(LLAMA3_SPECIAL + _byte_alphabet() + list(words)))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    backend.pre_tokenizer = _llama3_pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(LLAMA3_SPECIAL)
+    bos = LLAMA3_SPECIAL[0]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=LLAMA3_SPECIAL[1],
+        pad_token=LLAMA3_SPECIAL[1],
+        padding_side="right",
         model_max_length=model_max_length,
     )
