@@ -84,3 +84,19 @@ def test_wrap_is_undone_and_one_video_at_a_time():
         with pytest.raises(ValueError, match="batch 1"):
             module.randn_tensor((1, 2), generator=[torch.Generator(), torch.Generator()])
     assert module.randn_tensor is original
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_peer_draw_is_tilecast_chunk_noise_in_the_bench_dtype(dtype):
+    """The GPU bench runs bf16: the wrapped draw equals tilecast's ``draw_chunk_noise`` bit for bit."""
+    from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_sr as module
+
+    from tilecast.runtime.models.k6sr.stages import draw_chunk_noise
+
+    shapes = [(1, 5, 16, 24, 16), (2, 5, 16, 24, 16), (1, 5, 16, 24, 16)]
+    with chunk_seeded_noise(SEED):
+        drawn = [
+            module.randn_tensor(s, generator=torch.Generator(), device=torch.device("cpu"), dtype=dtype) for s in shapes
+        ]
+    for noise, shape, first_tile in zip(drawn, shapes, [0, 1, 3]):
+        assert torch.equal(noise, draw_chunk_noise(shape, SEED, first_tile, dtype))
