@@ -33,6 +33,7 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
     "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
+    "tilecast.runtime.models.families.ltx2:LTX2T2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where two declare the same diffusers class (FLUX's
