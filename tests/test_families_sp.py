@@ -58,6 +58,8 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=96, height=224)
     if name == "tiny/wan2.1-t2v":
         fields["num_frames"] = 1 if world == 2 else 5
+    if name == "tiny/ltx-2":  # 32x VAE, 1x1 patches, 8x in time: 3 x 3 x 3 video tokens (27); audio whole
+        fields.update(width=96, height=96, num_frames=17)
     return fields
 
 
@@ -277,6 +279,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/sana-1.5-1.6b": "hidden_states",
         "tiny/flux.2-dev": "hidden_states",
         "tiny/flux.2-klein-4b": "hidden_states",
+        "tiny/ltx-2": "hidden_states",
     }
 
 
