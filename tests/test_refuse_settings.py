@@ -27,6 +27,7 @@ from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
 from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
+from tilecast.runtime.models.families.ltx2 import LTX2T2VPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
@@ -46,6 +47,7 @@ PIPELINES = {
     "tiny/sana-1.5-1.6b": SanaT2IPipeline,
     "tiny/flux.2-dev": Flux2T2IPipeline,
     "tiny/flux.2-klein-4b": Flux2KleinT2IPipeline,
+    "tiny/ltx-2": LTX2T2VPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)
