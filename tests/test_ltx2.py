@@ -356,3 +356,34 @@ def test_sequence_parallel_ranks_match_one_rank_in_video_and_audio(
                 errors[kind] = max(errors[kind], (result[kind][i] - want[0]).abs().max().item())
                 assert errors[kind] <= BATCH_TOL, (version, kind, rank, i, errors[kind])
     print(f"{version} ulysses={ulysses} ring={ring}: max |SP - one rank| {errors}")
+
+
+# ---- over HTTP -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_openai_sdk_video_of_one_second_has_25_frames_and_its_soundtrack(tiny_cache, tmp_path):
+    """``seconds`` maps onto LTX-2's 8k+1 frames at its 24 fps; the downloaded MP4 holds the audio."""
+    import io
+
+    import av
+    import openai
+
+    from tilecast.runtime.config import ServeConfig
+    from tilecast.runtime.inproc import InProcessServer
+
+    config = ServeConfig(model_path="tiny/ltx-2", device="cpu", port=0, http_port=0, output_dir=tmp_path)
+    with InProcessServer(config) as server:
+        sdk = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        video = sdk.videos.create_and_poll(
+            prompt="rain on a tin roof", model="ltx-2", seconds="1", size="64x64", extra_body={"num_inference_steps": 2}
+        )
+        assert video.status == "completed" and video.size == "64x64", video
+        mapping = video.model_extra["frames_from_seconds"]
+        assert (mapping["fps"], mapping["num_frames"]) == (24, 25)
+        content = sdk.videos.download_content(video.id).read()
+    with av.open(io.BytesIO(content)) as container:
+        sound = container.streams.audio[0]
+        assert sound.codec_context.name == "aac" and sound.sample_rate == 24000 and sound.channels == 2
+        assert 0.9 < float(sound.duration * sound.time_base) < 1.1
+        assert sum(1 for _ in container.decode(video=0)) == 25
