@@ -39,12 +39,28 @@ def ltx(tiny_cache, tmp_path_factory):
     return LTX2T2VPipeline.load("tiny/ltx-2", ctx), ctx
 
 
-def _params(pipe, **fields):
-    return pipe.prepare(LTX2Params(**{**SMALL, **fields}), {})
+def _params(pipe, uploads=None, **fields):
+    return pipe.prepare(LTX2Params(**{**SMALL, **fields}), uploads or {})
 
 
-def _run(pipe, ctx, *params):
-    return pipe.run([WorkItem(job_id=f"j{i}", params=p) for i, p in enumerate(params)], ctx)
+def _run(pipe, ctx, *params, uploads=()):
+    uploads = list(uploads) or [{}] * len(params)
+    return pipe.run(
+        [WorkItem(job_id=f"j{i}", params=p, uploads=u) for i, (p, u) in enumerate(zip(params, uploads))], ctx
+    )
+
+
+def _png(seed: int, size=(80, 48)) -> bytes:
+    """A random RGB picture as PNG bytes (not the output size: the pipeline resizes it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 # ---- the file --------------------------------------------------------------------------------
@@ -184,6 +200,61 @@ def test_prepare_refuses_bad_requests_naming_the_field(fields, message, ltx):
         _params(pipe, prompt="x", **fields)
 
 
+# ---- image-to-video ------------------------------------------------------------------------------
+
+
+def test_an_input_image_runs_image_to_video_per_request_in_a_batch(ltx, tiny_cache):
+    """A batch whose requests send a first frame runs ``LTX2ImageToVideoPipeline`` over the same
+    modules; each request keeps its own image in a merged batch (video ~2e-6, audio ~1e-7 from its
+    singleton), equals diffusers' image-to-video pipeline given that one image with its default CRF
+    re-compression, and text-only requests do not merge with image ones."""
+    import io
+
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    pipe, ctx = ltx
+    uploads = [{"image.0": _png(1)}, {"image.0": _png(2)}]
+    a = _params(pipe, uploads[0], prompt="a red cat on a mat", seed=1, return_tensor=True)
+    b = _params(pipe, uploads[1], prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
+    text_only = _params(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
+    assert a.image_sizes == [[80, 48]] and pipe.batch_key(a) == pipe.batch_key(b) != pipe.batch_key(text_only)
+    alone = _run(pipe, ctx, a, uploads=uploads[:1])[0]
+    pair = _run(pipe, ctx, a, b, uploads=uploads)
+    for kind in ("video", "audio"):
+        diff = (alone.tensors[kind] - pair[0].tensors[kind]).abs().max().item()
+        assert diff <= BATCH_TOL, f"{kind}: batched differs from singleton by {diff:.3g}"
+        print(f"LTX-2 image-to-video {kind}: max |batched - singleton| = {diff:.3g}")
+    assert (pair[0].tensors["video"] - pair[1].tensors["video"]).abs().max() > 0.01
+    unconditioned = _run(pipe, ctx, text_only)[0].tensors["video"]
+    assert (unconditioned - alone.tensors["video"]).abs().max() > 0.01  # the image conditions the video
+
+    direct = LTX2ImageToVideoPipeline.from_pretrained(str(LTX2T2VPipeline.checkpoint.ensure(tiny_cache)))
+    direct.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        video, audio = direct(
+            image=Image.open(io.BytesIO(uploads[0]["image.0"])),
+            prompt=a.prompt,
+            negative_prompt="",
+            width=64,
+            height=64,
+            num_inference_steps=2,
+            max_sequence_length=1024,
+            generator=torch.Generator().manual_seed(1),
+            output_type="pt",
+            return_dict=False,
+            **pipe.card_kwargs(a),
+        )
+    assert (alone.tensors["video"] - video[0]).abs().max() <= 1e-5
+    assert (alone.tensors["audio"] - audio[0].float()).abs().max() <= 1e-5
+
+
+def test_more_than_one_input_image_is_refused(ltx):
+    pipe, _ = ltx
+    with pytest.raises(ValueError, match="image"):
+        _params(pipe, {"image.0": _png(1), "image.1": _png(2)}, prompt="x")
+
+
 # ---- LTX-2.3 -----------------------------------------------------------------------------------
 
 
@@ -293,7 +364,7 @@ def _sp_rank(rank, world_size, model, ulysses, ring, cache_dir, output_dir, requ
     topology = Topology(num_gpus=world_size, ulysses_degree=ulysses, ring_degree=ring)
     ctx = _context(rank, world_size, output_dir, topology.groups(topology.build_mesh("cpu")), ulysses, ring)
     pipeline = _with_stg_at_block_0(LTX2T2VPipeline.load(model, ctx))
-    items = [WorkItem(job_id=f"j{i}", params=pipeline.prepare(LTX2Params(**r), {})) for i, r in enumerate(requests)]
+    items = [_item(pipeline, f"j{i}", r) for i, r in enumerate(requests)]
     video, audio = pipeline.generate_outputs(items, ctx)
     return {"video": video, "audio": audio, "audio_predictions": _audio_predictions(pipeline, ctx, requests[0])}
 
@@ -304,7 +375,7 @@ def _audio_predictions(pipeline, ctx, request) -> torch.Tensor:
     calls = []
     hook = pipeline.pipe.transformer.register_forward_hook(lambda module, args, output: calls.append(output[1]))
     try:
-        pipeline.generate([WorkItem(job_id="p", params=pipeline.prepare(LTX2Params(**request), {}))], ctx)
+        pipeline.generate([_item(pipeline, "p", request)], ctx)
     finally:
         hook.remove()
     return torch.cat(calls).float()  # LTX-2.3: the STG and modality passes run the positive half alone
@@ -324,26 +395,36 @@ SP_REQUESTS = [
 """27 video tokens (padded on 2 and 4 ranks), 17 audio tokens whole on every rank."""
 
 
+def _item(pipeline, job_id: str, request: dict) -> WorkItem:
+    """A work item of ``request``; its ``image`` seed, if any, becomes the uploaded first frame."""
+    request = dict(request)
+    seed = request.pop("image", None)
+    uploads = {} if seed is None else {"image.0": _png(seed)}
+    return WorkItem(job_id=job_id, params=pipeline.prepare(LTX2Params(**request), uploads), uploads=uploads)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("version", ["LTX-2", "LTX-2.3"])
-@pytest.mark.parametrize(("ulysses", "ring"), [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
+@pytest.mark.parametrize(
+    ("version", "ulysses", "ring"),
+    [("LTX-2", 1, 2), ("LTX-2.3", 2, 1), ("LTX-2 image-to-video", 2, 1)],
+    ids=["ltx-2-ring2", "ltx-2.3-ulysses2", "i2v-ulysses2"],
+)  # (the video alone on every layout: tests/test_families_sp.py)
 def test_sequence_parallel_ranks_match_one_rank_in_video_and_audio(
     version, ulysses, ring, tiny_cache, ltx23_dir, tmp_path
 ):
     """The video-to-audio attention reads video keys from every rank (merged by log-sum-exp), so the
-    audio is checked too; LTX-2.3's STG pass runs the perturbed processor's rule at block 0."""
-    model = "tiny/ltx-2" if version == "LTX-2" else str(ltx23_dir)
+    audio is checked too; LTX-2.3's STG pass runs the perturbed processor's rule at block 0;
+    image-to-video's per-token timestep is split with the video tokens (``ltx2_cp_plan``)."""
+    model = str(ltx23_dir) if version == "LTX-2.3" else "tiny/ltx-2"
+    requests = [{**r, "image": i + 1} for i, r in enumerate(SP_REQUESTS)] if "image" in version else SP_REQUESTS
     LTX2T2VPipeline.checkpoint.ensure(tiny_cache)
     ctx = make_context(tmp_path / "ref", dtype="float32")
     with one_thread():
         reference = _with_stg_at_block_0(LTX2T2VPipeline.load(model, ctx))
-        singles = [
-            reference.generate_outputs([WorkItem(job_id="r", params=reference.prepare(LTX2Params(**r), {}))], ctx)
-            for r in SP_REQUESTS
-        ]
-        predictions = _audio_predictions(reference, ctx, SP_REQUESTS[0])
+        singles = [reference.generate_outputs([_item(reference, "r", r)], ctx) for r in requests]
+        predictions = _audio_predictions(reference, ctx, requests[0])
     results = run_ranks(
-        _sp_rank, ulysses * ring, model, ulysses, ring, str(tiny_cache), tmp_path / "sp", SP_REQUESTS, timeout=200
+        _sp_rank, ulysses * ring, model, ulysses, ring, str(tiny_cache), tmp_path / "sp", requests, timeout=200
     )
     errors = {"video": 0.0, "audio": 0.0, "audio_predictions": 0.0}
     for rank, result in enumerate(results):
@@ -363,7 +444,8 @@ def test_sequence_parallel_ranks_match_one_rank_in_video_and_audio(
 
 @pytest.mark.timeout(300)
 def test_openai_sdk_video_of_one_second_has_25_frames_and_its_soundtrack(tiny_cache, tmp_path):
-    """``seconds`` maps onto LTX-2's 8k+1 frames at its 24 fps; the downloaded MP4 holds the audio."""
+    """``seconds`` maps onto LTX-2's 8k+1 frames at its 24 fps; the downloaded MP4 holds the audio; an
+    image ``input_reference`` is the first frame."""
     import io
 
     import av
@@ -382,6 +464,17 @@ def test_openai_sdk_video_of_one_second_has_25_frames_and_its_soundtrack(tiny_ca
         mapping = video.model_extra["frames_from_seconds"]
         assert (mapping["fps"], mapping["num_frames"]) == (24, 25)
         content = sdk.videos.download_content(video.id).read()
+        first_frame = sdk.videos.create_and_poll(  # an image input_reference: image-to-video
+            prompt="rain on a tin roof",
+            model="ltx-2",
+            seconds="1",
+            size="64x64",
+            input_reference=("first.png", _png(3), "image/png"),
+            extra_body={"num_inference_steps": 2},
+        )
+        assert first_frame.status == "completed", first_frame
+        conditioned = sdk.videos.download_content(first_frame.id).read()
+    assert conditioned != content
     with av.open(io.BytesIO(content)) as container:
         sound = container.streams.audio[0]
         assert sound.codec_context.name == "aac" and sound.sample_rate == 24000 and sound.channels == 2

@@ -595,6 +595,11 @@ class DiffusersBatchPipeline(Pipeline):
         ``image``, one RGB ``PIL.Image`` per request (its first input image)."""
         return {"image": [images.load_images(item.uploads)[0] for item in items]}
 
+    def pipe_for(self, items: list[WorkItem]) -> Any:
+        """The diffusers pipeline object that runs this batch: ``self.pipe``; LTX-2 runs batches with
+        an input image through its image-to-video pipeline over the same components."""
+        return self.pipe
+
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
         """The diffusers ``__call__`` arguments of a batch (all but the progress callback and
         ``return_dict``): one prompt and one CPU ``torch.Generator`` seeded by its request's seed per
@@ -633,7 +638,7 @@ class DiffusersBatchPipeline(Pipeline):
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
         self.use_lora(first)
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
-            result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)
+            result = self.pipe_for(items)(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)
         audio = result[1].float().cpu() if self.output_audio else None
         return result[0].float().cpu(), audio
 

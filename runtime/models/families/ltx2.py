@@ -1,4 +1,4 @@
-"""LTX-2 and LTX-2.3 text-to-video with audio (``LTX2Pipeline``) and the built-in tiny checkpoint ``tiny/ltx-2``.
+"""LTX-2 and LTX-2.3 text- (and image-) to-video with audio (``LTX2Pipeline``), built-in tiny checkpoint ``tiny/ltx-2``.
 
 One MP4 per request: H.264 video and the generated soundtrack as an AAC track (stereo, the
 vocoder's rate: 24 kHz on the released checkpoints); ``info`` reports the frame count, the fps and
@@ -28,8 +28,13 @@ otherwise), width and height multiples of 32 and at least 64 (the decoder pads e
 column by reflection, which needs two of them). ``max_sequence_length`` (1024, the released
 default) must be a multiple of the connectors' learnable registers (128 released, 8 tiny).
 
+Image-to-video: a request may send the first frame as an image (upload ``image.0``, HTTP
+``input_reference``); its batch runs diffusers' ``LTX2ImageToVideoPipeline`` over the same modules,
+the image re-compressed at the card's H.264 CRF (33) as the released pipeline does.
+
 Sequence parallelism: diffusers' ``_cp_plan`` of ``LTX2VideoTransformer3DModel`` splits the video
-tokens and the video text (and gathers ``proj_out``); the audio stream stays whole on every rank.
+tokens and the video text (and gathers ``proj_out``), ``ltx2_cp_plan`` adds image-to-video's per-token
+timestep; the audio stream stays whole on every rank.
 ``sp_attention.LTX2SequenceParallelProcessor`` runs each of the block's six attention kinds
 accordingly (see there), cutting the video rotary tables the plan leaves whole ("split" layout,
 cross-modal tables) to the rank's tokens.
@@ -40,8 +45,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from tilecast.runtime.models.families import tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
+from tilecast.runtime.models.families import images, tokenizers
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, I2VParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +60,9 @@ REGISTERS = 8
 """The tiny connectors' learnable registers (128 released)."""
 
 
-class LTX2Params(T2VParams, forbid_unknown_fields=True, kw_only=True):
-    """An LTX-2 request: ``T2VParams`` with the model cards' defaults."""
+class LTX2Params(I2VParams, forbid_unknown_fields=True, kw_only=True):
+    """An LTX-2 request: ``T2VParams`` with the model cards' defaults, and optionally the first frame
+    as an input image (upload ``image.0``; ``I2VParams``)."""
 
     width: int = 768
     """Output width in pixels (a multiple of 32, at least 64)."""
@@ -96,6 +102,18 @@ RECIPES = {
 """LTX-2: its card's diffusers recipe (40 steps, guidance 4.0). LTX-2.3: diffusers' documented
 recommendation for 2.3 (30 steps, guidance 3.0, audio 7.0, STG 1.0 at block 28, modality 3.0,
 rescale 0.7)."""
+
+
+def ltx2_cp_plan() -> dict:
+    """Diffusers' ``LTX2VideoTransformer3DModel._cp_plan`` plus the per-token video ``timestep``
+    (``(B, S)``) that image-to-video passes (the conditioned first frame's tokens are at time 0): split
+    with the video tokens. Text-to-video's ``(B,)`` timestep is not split (the plan names 2 dims)."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    plan = dict(LTX2VideoTransformer3DModel._cp_plan)
+    plan[""] = {**plan[""], "timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}
+    return plan
 
 
 def build_tiny_ltx2():
@@ -211,7 +229,12 @@ class LTX2T2VPipeline(DiffusersBatchPipeline):
     """``Lightricks/LTX-2``, ``diffusers/LTX-2.3-Diffusers`` and renamed copies (``LTX-2.3`` contains it)."""
     checkpoint = TINY_LTX2
     builtin_name = "tiny/ltx-2"
-    cp_plan = "diffusers:LTX2VideoTransformer3DModel._cp_plan"
+    cp_plan = f"{__name__}:ltx2_cp_plan"
+    upload_fields = ("image",)
+    max_images = 1
+    """An optional first frame: a batch with one runs ``LTX2ImageToVideoPipeline`` over the same
+    components (each request its own image; only requests that all have one, or all have none, merge:
+    ``image_sizes`` is in the batch key)."""
     size_multiple = 32
     default_steps = RECIPES["LTX-2"].steps
     default_guidance = RECIPES["LTX-2"].guidance
@@ -231,6 +254,14 @@ class LTX2T2VPipeline(DiffusersBatchPipeline):
         """Text lengths must be multiples of this (the connectors replace padding by these registers)."""
         self.min_side = 2 * pipe.vae_spatial_compression_ratio
         """Smallest width and height: two latent rows and columns (the decoder's reflection padding)."""
+        from diffusers import LTX2ImageToVideoPipeline
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
+        self.i2v = LTX2ImageToVideoPipeline(**pipe.components)
+        """Image-to-video over the same modules (no second copy of any weight)."""
+        self.i2v.set_progress_bar_config(disable=True)
+        self.image_crf = resolve_default_image_crf(pipe.text_encoder)
+        """The H.264 CRF an input image is re-compressed at, as in training (33 with Gemma 3)."""
 
     @staticmethod
     def version_of(pipe) -> str:
@@ -253,6 +284,22 @@ class LTX2T2VPipeline(DiffusersBatchPipeline):
                 f"max_sequence_length must be a multiple of {self.registers} for {self.family} (its text "
                 f"connectors' learnable registers), got {length}"
             )
+
+    def pipe_for(self, items):
+        return self.i2v if items[0].params.image_sizes else self.pipe
+
+    def image_kwargs(self, items) -> dict:
+        """Each request's first frame, re-compressed at the card's CRF here (diffusers does it only
+        for a single image), as a list the image-to-video pipeline pairs with the prompts."""
+        if not items[0].params.image_sizes:
+            return {}
+        import numpy as np
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+        from PIL import Image
+
+        frames = [images.load_images(item.uploads)[0].convert("RGB") for item in items]
+        frames = [Image.fromarray(apply_image_conditioning_crf(np.array(f), self.image_crf)) for f in frames]
+        return {"image": frames, "image_crf": 0}
 
     def health_request(self):
         """One denoising step of the smallest video (the card's default size would take long)."""
