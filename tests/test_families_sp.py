@@ -11,6 +11,8 @@ The token sequences do not divide by the degree: 48 x 48 pixels give 3 x 3 2x2-p
 tokens on FLUX and Qwen-Image (9), 2 x 3 x 3 on Wan with 5 frames (18, on 4 ranks) and 1 x 3 x 3
 with 1 frame (9, on 2 ranks); SANA (32x autoencoder, 1x1 patches) gets 96 x 224 pixels, a 7 x 3
 grid (21 tokens: 11 per rank on 2 ranks, whose Mix-FFN reads the other shard's edge rows; 6 on 4);
+LTX-2 (32x VAE, 8x in time) gets 96 x 96 pixels and 17 frames, 3 x 3 x 3 video tokens (27, its audio
+whole on every rank; its audio is checked in ``tests/test_ltx2.py``);
 prompts of different lengths give Qwen-Image a text mask and Z-Image batch padding, so the
 padding and the models' own masks are both exercised (SANA's padded keys unmasked: ~2e-3; its
 neighbour rows zeroed: ~3e-3).

@@ -1,12 +1,18 @@
-"""LTX-2 / LTX-2.3 text-to-video with audio (``families.ltx2``) on tiny checkpoints, one rank and gloo ranks.
+"""LTX-2 / LTX-2.3 text- and image-to-video with audio (``families.ltx2``) on tiny checkpoints, one rank and gloo ranks.
 
 The generic family tests (``tests/test_families.py``, ``tests/test_families_sp.py``, the refusal
-matrix and the served row) cover the video; here: the MP4's AAC track against the job's info
-(decoded with PyAV), the audio of a merged batch and of sequence-parallel ranks against the
-singleton one-rank audio (measured: batch ~1e-7, 2 ranks ~1e-7), the audio against diffusers'
-``LTX2Pipeline`` called directly, the released ids, the cards' recipes (LTX-2 and an LTX-2.3-configured
-tiny pipeline: gated attention, prompt modulation, per-modality connectors, STG through the perturbed
-attention processor), and the request checks.
+matrix and the served row) cover the text-to-video video; here: the MP4's AAC track against the
+job's info (decoded with PyAV), the audio of a merged batch and of sequence-parallel ranks against the
+singleton one-rank audio, the audio against diffusers' ``LTX2Pipeline`` called directly, the released
+ids, the cards' recipes (LTX-2 and an LTX-2.3-configured tiny pipeline: gated attention, prompt
+modulation, per-modality connectors, STG through the perturbed attention processor), image-to-video
+(per-request first frames in a batch, against ``LTX2ImageToVideoPipeline``), the request checks and
+the OpenAI SDK's ``videos.create``.
+
+Measured (fp32, CPU), max abs difference: batched vs singleton video ~1.2e-6 (LTX-2.3 ~1.3e-6,
+image-to-video ~1.7e-6), audio ~6e-8..9e-8; 2 SP ranks vs one rank video 2e-6..4.7e-6, audio
+~1e-7, the transformer's audio predictions 4e-7..1.7e-6 (0.25 if the video-to-audio partials are
+not merged across the ranks).
 """
 
 from __future__ import annotations
