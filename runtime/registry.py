@@ -47,6 +47,7 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.hunyuan_video:HunyuanVideoT2VPipeline",
     "tilecast.runtime.models.families.helios:HeliosT2VPipeline",
     "tilecast.runtime.models.families.helios:HeliosPyramidT2VPipeline",
+    "tilecast.runtime.models.families.ltx2:LTX2T2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where several declare the same diffusers class (FLUX's

@@ -139,13 +139,15 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/hunyuanvideo", {"num_frames": 5, "num_inference_steps": 2}, "video/mp4"),
         ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
         ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
+        ("tiny/ltx-2", {"width": 64, "height": 64, "num_frames": 9, "num_inference_steps": 2}, "video/mp4"),
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
     size = min(2, resolve_pipeline(model).max_batch_size)  # GLM-Image serves one request at a time
     with serve(model, delay_ms=200.0) as (_server, client):
-        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **SMALL, **extra) for i in range(2)])
-        single = client.generate(prompt="alone", timeout=60.0, **SMALL, **extra)
+        fields = {**SMALL, **extra}  # LTX-2's smallest size is 64 x 64
+        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(2)])
+        single = client.generate(prompt="alone", timeout=60.0, **fields)
         assert [r.info["batch_size"] for r in pair] == [size, size] and single.info["batch_size"] == 1
         for result in (*pair, single):
             assert result.job.state == "completed" and result.files[0].mime == mime

@@ -4,7 +4,8 @@ A request's output inside a merged batch matches its singleton output within ``B
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
 Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7,
 FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
-Helios-Base ~2e-6): batch shape may change kernels, the seeds do not change.
+Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio, ``tests/test_ltx2.py``): batch shape may change
+kernels, the seeds do not change.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``);
 so are Helios-Mid and -Distilled (``tests/test_hunyuan_helios.py`` says why).
@@ -57,8 +58,14 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
-    fields.setdefault("width", 32)
-    fields.setdefault("height", 32)
+    """A request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) and, for a video
+    family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
+    side = max(32, getattr(pipe, "min_side", 32))
+    fields.setdefault("width", side)
+    fields.setdefault("height", side)
+    if pipe.output_kind == "video":
+        multiple, remainder = pipe.num_frames_rule
+        fields.setdefault("num_frames", multiple + remainder)
     return pipe.prepare(pipe.params_type(**fields), {})
 
 
@@ -101,7 +108,7 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
     x, y, other = alone.tensors[kind], pair[0].tensors[kind], pair[1].tensors[kind]
-    expected_shape = (3, 32, 32) if kind == "image" else (a.num_frames, 3, 32, 32)
+    expected_shape = (3, a.height, a.width) if kind == "image" else (a.num_frames, 3, a.height, a.width)
     assert tuple(x.shape) == expected_shape and x.dtype == torch.float32
     assert torch.isfinite(x).all() and 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.01
     diff = (x - y).abs().max().item()
@@ -114,14 +121,14 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
         from PIL import Image
 
         assert written.mime == "image/png" and written.path.suffix == ".png"
-        assert Image.open(written.path).size == (32, 32)
+        assert Image.open(written.path).size == (a.width, a.height)
     else:
         import av
 
         assert written.mime == "video/mp4"
         with av.open(str(written.path)) as container:
             frames = list(container.decode(video=0))
-        assert len(frames) == a.num_frames and (frames[0].width, frames[0].height) == (32, 32)
+        assert len(frames) == a.num_frames and (frames[0].width, frames[0].height) == (a.width, a.height)
 
 
 DIRECT_TOL = 1e-5
@@ -167,6 +174,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         del kwargs["num_inference_steps"]
         kwargs["pyramid_num_inference_steps_list"] = [2] * direct.scheduler.config.stages
         kwargs["is_amplify_first_chunk"] = direct.config.is_distilled
+    if hasattr(pipe, "card_kwargs"):  # a card's recipe where diffusers' defaults differ (LTX-2: fps, guidance terms)
+        kwargs.update(pipe.card_kwargs(params))
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape

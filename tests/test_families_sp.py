@@ -14,9 +14,11 @@ grid (21 tokens: 11 per rank on 2 ranks, whose Mix-FFN reads the other shard's e
 ERNIE-Image splits one joint sequence, 64 x 48 pixels' 4 x 3 image tokens and the longest prompt's
 61 text tokens (73); HunyuanVideo 1 x 3 x 3 / 2 x 3 x 3 like Wan, with its padded text split and
 masked; Helios-Base one 33-frame chunk (81 current + 26 history tokens = 107; Helios' pyramid: 49 in
-its first stage); prompts of different lengths give Qwen-Image a text mask, Z-Image batch padding and
-ERNIE-Image a text-padding mask, so the padding and the models' own masks are both exercised (SANA's
-padded keys unmasked: ~2e-3; its neighbour rows zeroed: ~3e-3). Variants (Z-Image, Qwen-Image-2512,
+its first stage); LTX-2 (32x VAE, 8x in time) gets 96 x 96 pixels and 17 frames, 3 x 3 x 3 video
+tokens (27, its audio whole on every rank; its audio is checked in ``tests/test_ltx2.py``); prompts
+of different lengths give Qwen-Image a text mask, Z-Image batch padding and ERNIE-Image a
+text-padding mask, so the padding and the models' own masks are both exercised (SANA's padded keys
+unmasked: ~2e-3; its neighbour rows zeroed: ~3e-3). Variants (Z-Image, Qwen-Image-2512,
 ERNIE-Image-Turbo) run their family's transformer and plan unchanged and are not repeated here.
 """
 
@@ -76,6 +78,8 @@ def _fields(name: str, world: int) -> dict:
         fields["num_frames"] = 33
     if name == "tiny/helios-distilled":  # 4x VAE, three pyramid stages: 9 + 40 history tokens (49) first
         fields.update(width=32, height=32, num_frames=33, num_inference_steps=1)  # 1 step a stage: 6 forwards
+    if name == "tiny/ltx-2":  # 32x VAE, 1x1 patches, 8x in time: 3 x 3 x 3 video tokens (27); audio whole
+        fields.update(width=96, height=96, num_frames=17)
     return fields
 
 
@@ -316,6 +320,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/helios-base": "hidden_states",
         "tiny/helios-distilled": "hidden_states",
         "tiny/hunyuanvideo": "hidden_states",
+        "tiny/ltx-2": "hidden_states",
     }
 
 

@@ -30,6 +30,7 @@ from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.helios import HeliosPyramidT2VPipeline, HeliosT2VPipeline
 from tilecast.runtime.models.families.hunyuan_video import HunyuanVideoT2VPipeline
+from tilecast.runtime.models.families.ltx2 import LTX2T2VPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
@@ -56,6 +57,7 @@ PIPELINES = {
     "tiny/hunyuanvideo": HunyuanVideoT2VPipeline,
     "tiny/helios-base": HeliosT2VPipeline,
     "tiny/helios-distilled": HeliosPyramidT2VPipeline,
+    "tiny/ltx-2": LTX2T2VPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

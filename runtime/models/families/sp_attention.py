@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 class _SequenceParallelProcessor:
     """Base: holds the shared state and the backend name."""
 
+    layer_name = ""
+    """The attention layer's module name in the transformer (set by ``install_processors``)."""
+
     def __init__(self, state: SequenceState, backend: str | None) -> None:
         self.state = state
         self.backend = backend
@@ -337,46 +340,125 @@ def _ernie_rotary(x_BSHD: torch.Tensor, freqs_B_S_1_R: torch.Tensor) -> torch.Te
     return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
 
 
-PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
-    "ErnieImageSingleStreamAttnProcessor": ErnieImageSequenceParallelProcessor,
-    "FluxAttnProcessor": FluxSequenceParallelProcessor,
-    "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
-    "Flux2AttnProcessor": Flux2SequenceParallelProcessor,
-    "Flux2ParallelSelfAttnProcessor": Flux2SingleSequenceParallelProcessor,
-    "QwenDoubleStreamAttnProcessor2_0": QwenImageSequenceParallelProcessor,
-    "WanAttnProcessor": WanSequenceParallelProcessor,
-    "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,
-    "SanaLinearAttnProcessor2_0": SanaLinearSequenceParallelProcessor,
-    "SanaAttnProcessor2_0": SanaCrossSequenceParallelProcessor,
-}
-"""Class name of the processor a layer has → the sequence-parallel processor that replaces it."""
+class LTX2SequenceParallelProcessor(_SequenceParallelProcessor):
+    """``LTX2AudioVideoAttnProcessor`` / ``LTX2PerturbedAttnProcessor``: the six attention layers of
+    an LTX-2 audio-video block, under diffusers' plan (video tokens and the video text split over the
+    ranks, the audio and its text whole on every rank). By the layer it serves (``layer_name``):
 
+    - ``attn1`` video self-attention and ``attn2`` video-to-text cross-attention: across the ranks
+      (queries and keys both split; the text keys masked by the model's mask and by padding);
+    - ``audio_attn1``, ``audio_attn2`` (audio self / audio-to-text) and ``audio_to_video_attn``
+      (video queries, audio keys): the keys are whole here, so locally;
+    - ``video_to_audio_attn`` (whole audio queries, split video keys): each rank attends to its own
+      video keys (padding masked), then the ranks' partial results are merged by their
+      log-sum-exps (one all-gather per group), which is the softmax over all the keys.
 
-def install_processors(transformer: nn.Module, state: SequenceState, backend: str | None) -> int:
-    """Give every attention layer of ``transformer`` its sequence-parallel processor; returns how many.
-
-    ``ValueError`` naming the layer when its processor has no sequence-parallel counterpart (or an
-    unknown/unusable ``backend``), before anything is changed.
+    Video rotary tables the plan leaves whole (the "split" layout's ``(B, H, S, D)``, and the
+    cross-modal tables) are cut to the rank's tokens here. STG's perturbed blocks (LTX-2.3) keep
+    diffusers' rule: a perturbed sample takes the value projection in place of attention.
     """
-    weight = next(transformer.parameters())
-    resolve_backend(backend, weight.device, weight.dtype)
-    layers = [
-        (name, module)
-        for name, module in transformer.named_modules()
-        if hasattr(module, "set_processor") and hasattr(module, "processor")
-    ]
-    for name, module in layers:
-        kind = type(module.processor).__name__
-        if kind not in PROCESSORS:
-            raise ValueError(
-                f"attention layer {name} of {type(transformer).__name__} has processor {kind}, which tilecast "
-                f"cannot run sequence-parallel (known: {', '.join(sorted(PROCESSORS))})"
-            )
-    if not layers:
-        raise ValueError(f"{type(transformer).__name__} has no attention layers to run sequence-parallel")
-    for _name, module in layers:
-        module.set_processor(PROCESSORS[type(module.processor).__name__](state, backend))
-    return len(layers)
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        query_rotary_emb=None,
+        key_rotary_emb=None,
+        perturbation_mask=None,
+        all_perturbed=None,
+    ):
+        from diffusers.models.transformers.transformer_ltx2 import (
+            apply_interleaved_rotary_emb,
+            apply_split_rotary_emb,
+        )
+
+        role = self.layer_name.rpartition(".")[2]
+        if role not in _LTX2_ROLES:
+            raise ValueError(f"LTX-2 attention layer {self.layer_name!r} is not one tilecast can run sequence-parallel")
+        query_video, key_video = _LTX2_ROLES[role]
+        if attention_mask is not None and role not in ("attn2", "audio_attn2"):
+            raise ValueError(f"LTX-2's sequence-parallel {role} takes no attention mask")
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        value = attn.to_v(context)
+        if all_perturbed is None:
+            all_perturbed = bool(torch.all(perturbation_mask == 0)) if perturbation_mask is not None else False
+        if all_perturbed:
+            out_BSC = value
+        else:
+            query, key = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(context))
+            if query_rotary_emb is not None:
+                rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
+                key_rotary_emb = query_rotary_emb if key_rotary_emb is None else key_rotary_emb
+                query = rotate(query, self._local_rope(query_rotary_emb) if query_video else query_rotary_emb)
+                key = rotate(key, self._local_rope(key_rotary_emb) if key_video else key_rotary_emb)
+            q_BSHD, k_BSHD, v_BSHD = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+            text_mask_BS = None
+            if attention_mask is not None:  # the model's additive bias: 0 keeps a text token, -10000 drops it
+                text_mask_BS = attention_mask.reshape(q_BSHD.shape[0], -1) > -1.0
+            if role == "attn1":
+                out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("hidden_states", None)])
+            elif role == "attn2":
+                out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [("encoder_hidden_states", text_mask_BS)])
+            elif role == "video_to_audio_attn":
+                out_BSHD = self._attend_split_keys(q_BSHD, k_BSHD, v_BSHD)
+            else:
+                out_BSHD, _lse = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend, key_mask=text_mask_BS)
+            out_BSC = out_BSHD.flatten(2, 3).to(query.dtype)
+            if perturbation_mask is not None:
+                out_BSC = torch.lerp(value, out_BSC, perturbation_mask)
+        if gate_logits is not None:  # per-head gates, 1 when the logits are 0
+            gates_BSH1 = (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)
+            out_BSC = (out_BSC.unflatten(2, (attn.heads, -1)) * gates_BSH1).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out_BSC))
+
+    def _local_rope(self, rope):
+        """A video rotary table cut to this rank's tokens where it still covers them all."""
+        cos = rope[0]
+        dim = 2 if cos.dim() == 4 else 1  # "split": (B, H, S, D/2); "interleaved": (B, S, D)
+        split = self.state.splits["hidden_states"]
+        if cos.shape[dim] == split.local_len:
+            return rope
+        if cos.shape[dim] != split.true_len:
+            raise ValueError(f"a video rotary table of {cos.shape[dim]} tokens for {split.true_len} video tokens")
+        return tuple(self.state.split(f"{self.layer_name}.rope.{i}", t, dim) for i, t in enumerate(rope))
+
+    def _attend_split_keys(self, q_BSHD, k_BSHD, v_BSHD) -> torch.Tensor:
+        """Whole queries over keys split across the ranks: local partial attention, merged over the groups."""
+        import torch.distributed as dist
+
+        from tilecast.kernels.ring import merge_partials
+
+        valid_S = self.state.valid("hidden_states", k_BSHD.device)
+        mask_BS = None if valid_S is None else valid_S.expand(k_BSHD.shape[0], -1)
+        out_BSHD, lse_BHS = attention(q_BSHD, k_BSHD, v_BSHD, backend=self.backend, key_mask=mask_BS)
+        out_BSHD, lse_BHS = out_BSHD.float(), lse_BHS.float()
+        for group in (self.state.parallel.ulysses_group, self.state.parallel.ring_group):
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            world = dist.get_world_size(group)
+            outs = [torch.empty_like(out_BSHD) for _ in range(world)]
+            lses = [torch.empty_like(lse_BHS) for _ in range(world)]
+            dist.all_gather(outs, out_BSHD.contiguous(), group=group)
+            dist.all_gather(lses, lse_BHS.contiguous(), group=group)
+            merged, merged_lse = None, None
+            for part, part_lse in zip(outs, lses):  # in rank order: the same sum on every rank
+                merged, merged_lse = merge_partials(merged, merged_lse, part, part_lse)
+            out_BSHD, lse_BHS = merged, merged_lse
+        return out_BSHD.to(q_BSHD.dtype)
+
+
+_LTX2_ROLES = {
+    "attn1": (True, True),
+    "attn2": (True, False),
+    "audio_attn1": (False, False),
+    "audio_attn2": (False, False),
+    "audio_to_video_attn": (True, False),
+    "video_to_audio_attn": (False, True),
+}
+"""An LTX-2 block's attention layers → (queries are video tokens, keys are video tokens)."""
 
 
 class HeliosSequenceParallelProcessor(_SequenceParallelProcessor):
@@ -499,3 +581,52 @@ class ReplicatedAttnProcessor(_SequenceParallelProcessor):
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         return AttnProcessor2_0()(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+
+
+PROCESSORS: dict[str, type[_SequenceParallelProcessor]] = {
+    "ErnieImageSingleStreamAttnProcessor": ErnieImageSequenceParallelProcessor,
+    "FluxAttnProcessor": FluxSequenceParallelProcessor,
+    "FluxDenseAttnProcessor": FluxSequenceParallelProcessor,
+    "Flux2AttnProcessor": Flux2SequenceParallelProcessor,
+    "Flux2ParallelSelfAttnProcessor": Flux2SingleSequenceParallelProcessor,
+    "QwenDoubleStreamAttnProcessor2_0": QwenImageSequenceParallelProcessor,
+    "WanAttnProcessor": WanSequenceParallelProcessor,
+    "ZSingleStreamAttnProcessor": ZImageSequenceParallelProcessor,
+    "SanaLinearAttnProcessor2_0": SanaLinearSequenceParallelProcessor,
+    "SanaAttnProcessor2_0": SanaCrossSequenceParallelProcessor,
+    "LTX2AudioVideoAttnProcessor": LTX2SequenceParallelProcessor,
+    "LTX2PerturbedAttnProcessor": LTX2SequenceParallelProcessor,
+    "HeliosAttnProcessor": HeliosSequenceParallelProcessor,
+    "HunyuanVideoAttnProcessor2_0": HunyuanVideoSequenceParallelProcessor,
+    "TextOnlyAttnProcessor": ReplicatedAttnProcessor,
+}
+"""Class name of the processor a layer has → the sequence-parallel processor that replaces it."""
+
+
+def install_processors(transformer: nn.Module, state: SequenceState, backend: str | None) -> int:
+    """Give every attention layer of ``transformer`` its sequence-parallel processor; returns how many.
+
+    ``ValueError`` naming the layer when its processor has no sequence-parallel counterpart (or an
+    unknown/unusable ``backend``), before anything is changed.
+    """
+    weight = next(transformer.parameters())
+    resolve_backend(backend, weight.device, weight.dtype)
+    layers = [
+        (name, module)
+        for name, module in transformer.named_modules()
+        if hasattr(module, "set_processor") and hasattr(module, "processor")
+    ]
+    for name, module in layers:
+        kind = type(module.processor).__name__
+        if kind not in PROCESSORS:
+            raise ValueError(
+                f"attention layer {name} of {type(transformer).__name__} has processor {kind}, which tilecast "
+                f"cannot run sequence-parallel (known: {', '.join(sorted(PROCESSORS))})"
+            )
+    if not layers:
+        raise ValueError(f"{type(transformer).__name__} has no attention layers to run sequence-parallel")
+    for name, module in layers:
+        processor = PROCESSORS[type(module.processor).__name__](state, backend)
+        processor.layer_name = name  # the processors that serve several layer kinds read it
+        module.set_processor(processor)
+    return len(layers)
