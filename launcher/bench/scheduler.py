@@ -23,7 +23,8 @@ Three measurements, each repeated (``repeats``) so a shared machine's noise show
   per-byte: the GB/s is the upload's size over that time), one ``bytes`` copy of the payload for
   scale, and the full path ``Client.submit(video=...)`` -> the scheduler has received and decoded
   it (the ``test/allreduce`` server takes no uploads, so it refuses the request right after
-  decoding; the reply is small).
+  decoding; the reply is small), next to its floor: the same frames through a bare ZeroMQ DEALER ->
+  ROUTER pair on loopback TCP, answered with one small frame.
 
 Imports no torch at module import time; the families (for their batch keys) and the in-process
 server are imported when their measurement runs.
@@ -356,6 +357,59 @@ def bench_server(*, round_trips: int, upload_mb: float, uploads: int, repeats: i
     return rows
 
 
+def bench_zmq_floor(*, upload_mb: float, uploads: int, repeats: int) -> dict[str, Any]:
+    """The transport alone, as the peer of the client submit: a DEALER sends the same three frames
+    (``copy=False``, as the client does) to a ROUTER on loopback TCP, whose thread receives them
+    (``copy=False``, as the server's socket thread does) and answers one small frame."""
+    import threading
+
+    import zmq
+
+    payload = _payload(upload_mb)
+    frames = [b"S", b"\x93\x01\x80\x91\xa5video", payload]
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (router, dealer):
+        sock.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    count = 1 + uploads * repeats
+
+    def serve() -> None:
+        for _ in range(count):
+            identity, *received = router.recv_multipart(copy=False)
+            assert len(received[-1]) == len(payload)
+            router.send_multipart([identity, b"e"])
+
+    thread = threading.Thread(target=serve, name="bench-zmq-router", daemon=True)
+    thread.start()
+
+    def round_trip() -> None:
+        dealer.send_multipart(frames, copy=False)
+        dealer.recv_multipart()
+
+    try:
+        round_trip()  # warm-up (connects)
+        seconds, p50s = [], []
+        for _ in range(repeats):
+            times = _time_each(round_trip, uploads)
+            seconds += times
+            p50s.append(_percentiles(times)["p50_us"])
+        thread.join(30.0)
+    finally:
+        dealer.close()
+        router.close()
+        context.term()
+    stats = _percentiles(seconds)
+    return {
+        "measure": f"ZeroMQ alone: {len(payload) / 2**20:g} MiB DEALER -> ROUTER -> reply (the floor)",
+        "calls": len(seconds),
+        **stats,
+        "p50_spread_us": _spread(p50s),
+        "gb_per_s": len(payload) / (stats["p50_us"] * 1e-6) / 1e9,
+    }
+
+
 def _payload(upload_mb: float) -> bytes:
     if not upload_mb > 0:
         raise ValueError(f"upload size must be > 0 MB, got {upload_mb!r}")
@@ -437,6 +491,7 @@ def run_scheduler_bench(
     wire = bench_wire(upload_mb=upload_mb, iterations=wire_iterations, repeats=repeats)
     if server:
         wire += bench_server(round_trips=round_trips, upload_mb=upload_mb, uploads=uploads, repeats=repeats)
+        wire.append(bench_zmq_floor(upload_mb=upload_mb, uploads=uploads, repeats=repeats))
     return {"dispatch": dispatch, "wire": wire}
 
 
