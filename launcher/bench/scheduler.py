@@ -23,8 +23,9 @@ Three measurements, each repeated (``repeats``) so a shared machine's noise show
   per-byte: the GB/s is the upload's size over that time), one ``bytes`` copy of the payload for
   scale, and the full path ``Client.submit(video=...)`` -> the scheduler has received and decoded
   it (the ``test/allreduce`` server takes no uploads, so it refuses the request right after
-  decoding; the reply is small), next to its floor: the same frames through a bare ZeroMQ DEALER ->
-  ROUTER pair on loopback TCP, answered with one small frame.
+  decoding; the reply is small), interleaved with its floor: the same frames through a bare
+  ZeroMQ DEALER -> ROUTER pair on loopback TCP, answered with one small frame (``vs floor``: the
+  submit's p50 over the floor's).
 
 Imports no torch at module import time; the families (for their batch keys) and the in-process
 server are imported when their measurement runs.
@@ -309,6 +310,10 @@ def _time_each(call: Callable[[], Any], count: int) -> list[float]:
     return seconds
 
 
+FLOOR = "ZeroMQ alone: the same frames, DEALER -> ROUTER -> reply (floor)"
+"""The row of ``_ZeroMQFloor``."""
+
+
 def bench_server(*, round_trips: int, upload_mb: float, uploads: int, repeats: int) -> list[dict[str, Any]]:
     """Round trips of ``health`` and ``status`` and a ``Client.submit`` of ``upload_mb`` to the scheduler,
     against one in-process ``test/allreduce`` server, ``repeats`` times each."""
@@ -333,81 +338,77 @@ def bench_server(*, round_trips: int, upload_mb: float, uploads: int, repeats: i
                 else:
                     raise AssertionError("test/allreduce accepted an upload")
 
-            quick = {"health": client.health, "status": lambda: client.status(job_id)}
-            name = f"submit {len(payload) / 2**20:g} MiB upload"
-            for call in (*quick.values(), submit):
-                call()  # warm-up (a first large upload also asks the server's message limit)
-            seconds: dict[str, list[float]] = {key: [] for key in (*quick, name)}
-            p50s: dict[str, list[float]] = {key: [] for key in seconds}
-            for _ in range(repeats):
-                times: dict[str, list[float]] = {key: [] for key in seconds}
-                for _ in range(round_trips):  # interleaved, so both see the same load on the machine
-                    for key, call in quick.items():
-                        times[key] += _time_each(call, 1)
-                times[name] = _time_each(submit, uploads)
-                for key, values in times.items():
-                    seconds[key] += values
-                    p50s[key].append(_percentiles(values)["p50_us"])
+            floor = _ZeroMQFloor(payload)
+            try:
+                quick = {"health": client.health, "status": lambda: client.status(job_id)}
+                slow = {f"submit {len(payload) / 2**20:g} MiB upload": submit, FLOOR: floor.round_trip}
+                for call in (*quick.values(), *slow.values()):
+                    call()  # warm-up (a first large upload also asks the server's message limit)
+                seconds: dict[str, list[float]] = {key: [] for key in (*quick, *slow)}
+                p50s: dict[str, list[float]] = {key: [] for key in seconds}
+                for _ in range(repeats):
+                    times: dict[str, list[float]] = {key: [] for key in seconds}
+                    for calls, count in ((quick, round_trips), (slow, uploads)):
+                        for _ in range(count):  # interleaved, so each sees the same load on the machine
+                            for key, call in calls.items():
+                                times[key] += _time_each(call, 1)
+                    for key, values in times.items():
+                        seconds[key] += values
+                        p50s[key].append(_percentiles(values)["p50_us"])
+            finally:
+                floor.close()
             for key, values in seconds.items():
                 stats = _percentiles(values)
-                row = {"measure": f"client {key}", "calls": len(values), **stats, "p50_spread_us": _spread(p50s[key])}
-                if key == name:
+                row = {
+                    "measure": key if key == FLOOR else f"client {key}",
+                    "calls": len(values),
+                    **stats,
+                    "p50_spread_us": _spread(p50s[key]),
+                }
+                if key in slow:
                     row["gb_per_s"] = len(payload) / (stats["p50_us"] * 1e-6) / 1e9
                 rows.append(row)
+            rows[-2]["ratio_to_floor"] = rows[-2]["p50_us"] / rows[-1]["p50_us"]
     return rows
 
 
-def bench_zmq_floor(*, upload_mb: float, uploads: int, repeats: int) -> dict[str, Any]:
-    """The transport alone, as the peer of the client submit: a DEALER sends the same three frames
+class _ZeroMQFloor:
+    """The transport alone, the peer of the client submit: a DEALER sends the same three frames
     (``copy=False``, as the client does) to a ROUTER on loopback TCP, whose thread receives them
     (``copy=False``, as the server's socket thread does) and answers one small frame."""
-    import threading
 
-    import zmq
+    def __init__(self, payload: bytes) -> None:
+        import threading
 
-    payload = _payload(upload_mb)
-    frames = [b"S", b"\x93\x01\x80\x91\xa5video", payload]
-    context = zmq.Context()
-    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-    for sock in (router, dealer):
-        sock.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    count = 1 + uploads * repeats
+        import zmq
 
-    def serve() -> None:
-        for _ in range(count):
-            identity, *received = router.recv_multipart(copy=False)
-            assert len(received[-1]) == len(payload)
-            router.send_multipart([identity, b"e"])
+        self.frames = [b"S", b"\x93\x01\x80\x91\xa5video", payload]
+        self.context = zmq.Context()
+        self.router, self.dealer = self.context.socket(zmq.ROUTER), self.context.socket(zmq.DEALER)
+        for sock in (self.router, self.dealer):
+            sock.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.dealer.connect(f"tcp://127.0.0.1:{port}")
+        self.thread = threading.Thread(target=self._serve, name="bench-zeromq-router", daemon=True)
+        self.thread.start()
 
-    thread = threading.Thread(target=serve, name="bench-zmq-router", daemon=True)
-    thread.start()
+    def _serve(self) -> None:
+        while True:
+            identity, *received = self.router.recv_multipart(copy=False)
+            if len(received) == 1:  # the stop message
+                return
+            self.router.send_multipart([identity, b"e"])
 
-    def round_trip() -> None:
-        dealer.send_multipart(frames, copy=False)
-        dealer.recv_multipart()
+    def round_trip(self) -> None:
+        self.dealer.send_multipart(self.frames, copy=False)
+        self.dealer.recv_multipart()
 
-    try:
-        round_trip()  # warm-up (connects)
-        seconds, p50s = [], []
-        for _ in range(repeats):
-            times = _time_each(round_trip, uploads)
-            seconds += times
-            p50s.append(_percentiles(times)["p50_us"])
-        thread.join(30.0)
-    finally:
-        dealer.close()
-        router.close()
-        context.term()
-    stats = _percentiles(seconds)
-    return {
-        "measure": f"ZeroMQ alone: {len(payload) / 2**20:g} MiB DEALER -> ROUTER -> reply (the floor)",
-        "calls": len(seconds),
-        **stats,
-        "p50_spread_us": _spread(p50s),
-        "gb_per_s": len(payload) / (stats["p50_us"] * 1e-6) / 1e9,
-    }
+    def close(self) -> None:
+        self.dealer.send(b"stop")
+        self.thread.join(30.0)
+        self.dealer.close()
+        self.router.close()
+        self.context.term()
 
 
 def _payload(upload_mb: float) -> bytes:
@@ -491,7 +492,6 @@ def run_scheduler_bench(
     wire = bench_wire(upload_mb=upload_mb, iterations=wire_iterations, repeats=repeats)
     if server:
         wire += bench_server(round_trips=round_trips, upload_mb=upload_mb, uploads=uploads, repeats=repeats)
-        wire.append(bench_zmq_floor(upload_mb=upload_mb, uploads=uploads, repeats=repeats))
     return {"dispatch": dispatch, "wire": wire}
 
 
@@ -520,5 +520,6 @@ WIRE_COLUMNS = {
     "max_us": "max",
     "p50_spread_us": "p50 per repeat",
     "gb_per_s": "GB/s at p50",
+    "ratio_to_floor": "vs floor",
 }
 """Table columns of the round-trip and wire rows (key: header)."""
