@@ -14,8 +14,11 @@ Three measurements, each repeated (``repeats``) so a shared machine's noise show
   decision: ``decision`` (building the batcher's view of the queue and ``Batcher.select``: choosing
   the batch) and ``dispatch`` (the whole ``_dispatch``: the decision, taking the jobs off the
   queue, the plan, the metrics), p50/p95/max in microseconds, over all repeats, and the spread of
-  the per-repeat p50. Scenarios: ``mixed`` (every text-to-image family in one queue) and
-  ``one-model`` (FLUX.1-dev only, so requests differ only inside the batch key).
+  the per-repeat p50. Scenarios (``SCENARIOS``): ``mixed`` (every text-to-image family in one
+  queue), ``one-model`` (FLUX.1-dev only) and ``one-size`` (FLUX.1-dev at 1024x1024 only). Each
+  runs twice on the same requests, with the batcher's ``gather`` and with ``gather_by_scan`` (the
+  per-request scan it replaced), repeats interleaved; ``same_batches`` says both chose the same
+  batches.
 - **round trip**: ``Client.health()`` and ``Client.status(job_id)`` against an in-process server
   (``runtime/inproc.py``, ``test/allreduce``) on loopback TCP, p50/p95 in microseconds.
 - **wire**: a ``SubmitRequest`` with one ``upload_mb`` payload frame: ``protocol.encode`` and
@@ -52,7 +55,8 @@ ONE_MODEL = "tiny/flux"
 MAX_SIZE = 8
 """``--batching-max-size`` of the dispatch measurement."""
 RULES_FILE = Path(__file__).resolve().parents[2] / "configs" / "batching" / "example.json"
-"""Batching rules of the dispatch measurement (Qwen-Image at 1024² alone, FLUX.1-dev at 1024² by 4)."""
+"""Batching rules of the dispatch measurement: its Qwen-Image rule runs ``tiny/qwen-image*`` at 1024²
+alone (its FLUX.1-dev rule matches none of the built-in names the requests carry)."""
 TARGET_DECISION_US = 1000.0
 """The decision-time target at 1,000 queued requests (issue 24): 1 ms."""
 
@@ -64,6 +68,8 @@ SIZE_WEIGHTS = (50, 15, 8, 8, 4)
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
+    """What the workload needs of a family's declaration."""
+
     name: str
     params_type: type
     batch_key: Callable[[Any], dict[str, Any]]
