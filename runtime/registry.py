@@ -4,8 +4,15 @@
 declarations (``Pipeline.builtin_name``, ``diffusers_class``, ``model_id_hints``,
 ``ensure_builtin``). A built-in name (``tiny/k6sr``, ``tiny/flux``, ``random/flux``,
 ``test/allreduce``, ...) maps straight to its pipeline; a local diffusers directory is routed by its
-``model_index.json`` ``_class_name``, or by ``--model-id`` when the directory was renamed. Adding a
-model is its declaration plus one line here (README, "Adding a model").
+``model_index.json`` ``_class_name``, or by ``--model-id`` when the directory was renamed (or by
+its name, when its class is none of diffusers' pipelines). Adding a model is its declaration plus
+one line here (README, "Adding a model").
+
+Variants: where several pipelines declare one diffusers class (Z-Image and Z-Image-Turbo are both
+``ZImagePipeline``), the class cannot tell them apart, so the name does (``by_hint``): the
+pipeline whose ``model_id_hints`` entry is the longest one found in the model's names wins
+(``z-image-turbo`` beats ``z-image``), and with no hint found, the first one ``PIPELINES`` lists
+for that class (the family's own declaration; variants are listed after it).
 """
 
 from __future__ import annotations
@@ -26,17 +33,28 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.flux:FluxT2IPipeline",
     "tilecast.runtime.models.families.released:RandomFluxT2IPipeline",
     "tilecast.runtime.models.families.qwen_image:QwenImageT2IPipeline",
-    # Edit Plus first: its hints (qwen-image-edit-2509, ...) are more specific than Edit's qwen-image-edit
-    "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditPlusI2IPipeline",
+    "tilecast.runtime.models.families.qwen_image:QwenImage2512T2IPipeline",
     "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditI2IPipeline",
+    "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditPlusI2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
+    "tilecast.runtime.models.families.z_image:ZImageBaseT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",
     "tilecast.runtime.models.families.glm_image:GlmImageT2IPipeline",
+    "tilecast.runtime.models.families.sana:SanaT2IPipeline",
+    "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
+    "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
+    "tilecast.runtime.models.families.ernie_image:ErnieImageT2IPipeline",
+    "tilecast.runtime.models.families.ernie_image:ErnieImageTurboT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
+    "tilecast.runtime.models.families.hunyuan_video:HunyuanVideoT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosT2VPipeline",
+    "tilecast.runtime.models.families.helios:HeliosPyramidT2VPipeline",
+    "tilecast.runtime.models.families.ltx2:LTX2T2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
-"""``"module:Class"`` of every served pipeline. Where two declare the same diffusers class (FLUX's
-tiny and released-size built-ins), the first listed serves that class's directories."""
+"""``"module:Class"`` of every served pipeline. Where several declare the same diffusers class (FLUX's
+tiny and released-size built-ins, a family and its variants), the first listed serves that class's
+directories unless a variant's hint names the model (module docstring)."""
 
 
 def _load(target: str) -> type[Pipeline]:
@@ -55,20 +73,32 @@ def builtin_models() -> dict[str, type[Pipeline]]:
     return {cls.builtin_name: cls for cls in pipelines() if cls.builtin_name}
 
 
-def diffusers_classes() -> dict[str, type[Pipeline]]:
-    """``model_index.json`` ``_class_name`` → pipeline (the first one listed that declares it)."""
-    served: dict[str, type[Pipeline]] = {}
+def diffusers_classes() -> dict[str, tuple[type[Pipeline], ...]]:
+    """``model_index.json`` ``_class_name`` → the pipelines declaring it, in ``PIPELINES`` order."""
+    served: dict[str, tuple[type[Pipeline], ...]] = {}
     for cls in pipelines():
         if cls.diffusers_class:
-            served.setdefault(cls.diffusers_class, cls)
+            served[cls.diffusers_class] = (*served.get(cls.diffusers_class, ()), cls)
     return served
 
 
-def _by_hint(name: str) -> type[Pipeline] | None:
-    for cls in pipelines():
-        if any(hint.lower() in name.lower() for hint in cls.model_id_hints):
-            return cls
-    return None
+def by_hint(names: tuple[str, ...], candidates: tuple[type[Pipeline], ...] | None = None) -> type[Pipeline] | None:
+    """The candidate (default: every pipeline) with the longest ``model_id_hints`` entry found in one
+    of ``names`` (case-insensitive): the most specific name wins. Ties: the first listed. None: no hint found."""
+    best, best_len = None, 0
+    for cls in candidates or pipelines():
+        for hint in cls.model_id_hints:
+            if len(hint) > best_len and any(hint.lower() in name.lower() for name in names):
+                best, best_len = cls, len(hint)
+    return best
+
+
+def _another_pipeline(class_name: str) -> bool:
+    """``class_name`` is a diffusers pipeline class (not the generic ``DiffusionPipeline``): a checkpoint
+    of it is that pipeline's, whatever its name says (``Qwen-Image-Edit`` is not Qwen-Image)."""
+    import diffusers
+
+    return class_name != "DiffusionPipeline" and class_name in dir(diffusers)
 
 
 def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipeline]:
@@ -77,7 +107,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
     if model_path in builtins:
         return builtins[model_path]
     if model_id:
-        if (cls := _by_hint(model_id)) is not None:
+        if (cls := by_hint((model_id,))) is not None:
             return cls
         hints = ", ".join(hint for cls in pipelines() for hint in cls.model_id_hints)
         raise ValueError(f"--model-id {model_id!r} names no known model family (known: {hints})")
@@ -94,10 +124,11 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         class_name = json.loads(index.read_text())["_class_name"]
     except (json.JSONDecodeError, KeyError) as exc:
         raise ValueError(f"{index} is not a valid model_index.json ({exc})") from exc
+    names = (path.resolve().name, str(model_path))  # a Hub id's snapshot directory is named by its commit
     served = diffusers_classes()
     if class_name in served:
-        return served[class_name]
-    if (cls := _by_hint(path.name)) is not None or (cls := _by_hint(str(model_path))) is not None:
+        return by_hint(names, served[class_name]) or served[class_name][0]
+    if (cls := by_hint(names)) is not None and not _another_pipeline(class_name):
         return cls
     raise ValueError(
         f"{path}: pipeline class {class_name!r} is not served by tilecast "

@@ -24,6 +24,14 @@ that differs: ``model``, ``task``, ``resolution`` or a key field name such as
 
 Only rank 0's clock (injected, ``time.monotonic`` by default) decides; other ranks follow the
 broadcast plan. Pure Python, no torch: the loop calls this on every wake-up.
+
+Cost: the head looks at the queue in order until its batch is full, so a head that finds no
+company looks at every queued request. ``gather`` compares model, task and resolution inline and
+keys through a ``key_token`` made once per request when it is queued (the key, encoded): requests
+with equal tokens are indistinguishable to ``first_difference``, so it runs once per distinct key
+instead of once per request, however deep in the key requests differ (``tilecast bench
+scheduler`` measures a decision at 1,000 queued). ``gather_by_scan``, one ``first_difference``
+per request, is the definition it equals (tests compare the two).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import logging
 import math
 import time
 from typing import Callable, Sequence
+
+import msgspec
 
 from .batching_rules import BatchingRules, normalize_resolution
 
@@ -110,11 +120,15 @@ class QueuedRequest:
     """Rank 0 clock (seconds) when the request entered the queue."""
     family_max: int = 1
     """``Pipeline.max_batch_size`` of the request's pipeline."""
+    key_token: object = dataclasses.field(init=False, repr=False, compare=False)
+    """``key_token(key)``, made once here: the key must not change while the request is queued (the
+    scheduler builds this view once per job)."""
 
     def __post_init__(self) -> None:
         self.resolution = normalize_resolution(self.resolution)
         if isinstance(self.family_max, bool) or not isinstance(self.family_max, int) or self.family_max < 1:
             raise ValueError(f"family_max must be an integer >= 1, got {self.family_max!r}")
+        self.key_token = key_token(self.key)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,8 +175,92 @@ def first_difference(head: QueuedRequest, other: QueuedRequest) -> str | None:
     return None
 
 
+def _plain(value: object) -> bool:
+    """Whether ``value`` is built only of exact ``str``, ``int``, ``bool``, ``None``, non-NaN
+    ``float``, ``list`` and ``str``-keyed ``dict``: then two values with the same msgpack encoding
+    compare alike against anything (a NaN, or a tuple encoded like a list, would not)."""
+    kind = type(value)
+    if kind is float:
+        return value == value  # not NaN
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is list:
+        return all(_plain(item) for item in value)
+    if kind is dict:
+        return all(type(name) is str and _plain(item) for name, item in value.items())
+    return False
+
+
+def key_token(key: dict[str, object]) -> object:
+    """A token equal for two batch keys only if ``first_difference`` cannot tell them apart: the key's
+    msgpack encoding (bytes: hashed once, compared fast) when it holds plain values only (``_plain``),
+    otherwise a token of its own."""
+    if _plain(key):
+        try:
+            return msgspec.msgpack.encode(key)
+        except (OverflowError, UnicodeEncodeError):  # an int over 64 bits, a lone surrogate
+            pass
+    return object()
+
+
+_UNSEEN = object()
+
+
+def gather(head: QueuedRequest, queue: Sequence[QueuedRequest], cap: int) -> tuple[list[str], dict[str, int]]:
+    """The batch ``head`` (``queue[0]``) gathers under ``cap``: its job id, then the compatible
+    requests' in queue order, stopping at ``cap``; and the incompatible requests it looked at, by
+    first differing field. Equal to ``gather_by_scan``: model, task and resolution are compared
+    inline, as ``first_difference`` compares them, and among requests equal to the head in those
+    ``first_difference`` runs once per distinct ``key_token``."""
+    job_ids = [head.job_id]
+    rejects: dict[str, int] = {}
+    if cap <= 1:
+        return job_ids, rejects
+    model, task, resolution = head.model, head.task, head.resolution
+    verdicts: dict[object, str | None] = {}
+    seen = verdicts.get
+    for request in itertools.islice(queue, 1, None):
+        if request.model != model:
+            reason = "model"
+        elif request.task != task:
+            reason = "task"
+        elif request.resolution != resolution:
+            reason = "resolution"
+        else:
+            token = request.key_token
+            reason = seen(token, _UNSEEN)
+            if reason is _UNSEEN:
+                reason = verdicts[token] = first_difference(head, request)
+            if reason is None:
+                job_ids.append(request.job_id)
+                if len(job_ids) >= cap:
+                    break
+                continue
+        rejects[reason] = rejects.get(reason, 0) + 1
+    return job_ids, rejects
+
+
+def gather_by_scan(head: QueuedRequest, queue: Sequence[QueuedRequest], cap: int) -> tuple[list[str], dict[str, int]]:
+    """What ``gather`` returns, by definition: ``first_difference`` against each request looked at."""
+    job_ids = [head.job_id]
+    rejects: dict[str, int] = {}
+    if cap > 1:
+        for request in itertools.islice(queue, 1, None):
+            reason = first_difference(head, request)
+            if reason is not None:
+                rejects[reason] = rejects.get(reason, 0) + 1
+                continue
+            job_ids.append(request.job_id)
+            if len(job_ids) >= cap:
+                break
+    return job_ids, rejects
+
+
 class Batcher:
     """Picks the next batch from the queue. Stateless between calls apart from a rule-cap cache."""
+
+    gather_members = staticmethod(gather)
+    """How the head gathers its batch (``gather``; ``gather_by_scan`` gives the same batches, slower)."""
 
     def __init__(self, config: BatchingConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -243,15 +341,5 @@ class Batcher:
         head = queue[0]
         size_limit, rule_cap = self.limits(head)
         cap = size_limit if rule_cap is None else min(size_limit, rule_cap)
-        job_ids = [head.job_id]
-        rejects: dict[str, int] = {}
-        if cap > 1:
-            for request in itertools.islice(queue, 1, None):
-                reason = first_difference(head, request)
-                if reason is not None:
-                    rejects[reason] = rejects.get(reason, 0) + 1
-                    continue
-                job_ids.append(request.job_id)
-                if len(job_ids) >= cap:
-                    break
+        job_ids, rejects = self.gather_members(head, queue, cap)
         return size_limit, rule_cap, job_ids, rejects

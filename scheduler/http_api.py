@@ -588,24 +588,40 @@ class HttpApi:
         finally:
             await form.close()
 
-    async def _read_multipart(self, request: Request) -> tuple[dict[str, str], bytes | None]:
-        """A video request's form fields and the video's bytes (``video_reference`` or ``input_reference``)."""
+    async def _read_multipart(self, request: Request) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+        """A video request's form fields and its one reference file, ``(part, media type, bytes)``
+        (``video_reference`` or ``input_reference``)."""
         fields, files = await self._read_form(
             request, FILE_PARTS, max_files=len(FILE_PARTS) + 1, hint=f"upload the video as {VIDEO_PART!r}"
         )
         if len(files) > 1:
             name = files[1][0]
             raise ApiError(400, f"field {name!r} is given more than once", param=name, code="duplicate_field")
-        if not files:
-            return fields, None
-        name, media, video = files[0]
-        if media.startswith("image/"):
-            raise ApiError(
-                400,
-                f"{self._model_name() or 'this model'} takes no image reference: {name!r} must be a video",
-                param=name,
-                code="unsupported_input",
-            )
+        return fields, (files[0] if files else None)
+
+    def _reference(self, fields: dict[str, Any], reference: tuple[str, str, bytes]) -> None:
+        """Put a video request's reference file into ``fields``: an image (``image/*``, or any
+        ``input_reference`` of a model that takes images) is the model's input image, anything
+        else the video upload (K6 SR's source). A type the model cannot take is a 400 / 415."""
+        name, media, data = reference
+        takes_image = self.model is not None and "image" in self.model.upload_fields
+        if media.startswith("image/") or (takes_image and name == REFERENCE_PART and not media.startswith("video/")):
+            if not takes_image:
+                raise ApiError(
+                    400,
+                    f"{self._model_name() or 'this model'} takes no image reference: {name!r} must be a video",
+                    param=name,
+                    code="unsupported_input",
+                )
+            if len(data) > MAX_IMAGE_BYTES:
+                raise ApiError(
+                    413,
+                    f"{name} is {len(data) / 2**20:.1f} MiB; at most {MAX_IMAGE_BYTES / 2**20:g} MiB per image",
+                    param=name,
+                    code="payload_too_large",
+                )
+            fields["image"] = [data]
+            return
         if media and not media.startswith("video/") and media not in _ACCEPTED_UPLOAD_TYPES:
             raise ApiError(
                 415,
@@ -613,7 +629,10 @@ class HttpApi:
                 param=name,
                 code="unsupported_media_type",
             )
-        return fields, video
+        if self.model is not None and "video" not in self.model.upload_fields:
+            raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
+        self._check_upload_size(len(data))
+        fields["video"] = data
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, fields: dict[str, Any]) -> str | None:
@@ -728,9 +747,9 @@ class HttpApi:
         kind = _content_kind(request)
         try:
             if kind == "multipart":
-                fields, video = await self._read_multipart(request)
+                fields, reference = await self._read_multipart(request)
             else:
-                fields, video = await self._read_json(request), None
+                fields, reference = await self._read_json(request), None
         except ClientDisconnect:
             return Response(status_code=400)
         if kind == "json":
@@ -759,11 +778,8 @@ class HttpApi:
             fields, self.model.params_type if self.model else None, from_strings=kind == "multipart"
         )
         record.width, record.height = fields.get("width"), fields.get("height")
-        if video is not None:
-            if self.model is not None and "video" not in self.model.upload_fields:
-                raise ApiError(400, f"{self.model.name} takes no video upload", param=VIDEO_PART, code="unknown_field")
-            self._check_upload_size(len(video))
-            fields["video"] = video
+        if reference is not None:
+            self._reference(fields, reference)
         job_id = await self._submit(fields)
         self._remember(job_id, record)
         self._follow(job_id)

@@ -145,6 +145,10 @@ class JobTable:
         return {state: counts.get(state, 0) for state in (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED)}
 
     def position(self, job: Job) -> int | None:
+        """Index of ``job`` in the queue; None once it left it (looked up only while queued: a failed
+        ``list.index`` formats the job's repr, outputs included, into its error)."""
+        if job.state != QUEUED:
+            return None
         try:
             return self.queue.index(job)
         except ValueError:

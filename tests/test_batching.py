@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
 import subprocess
 import sys
 
@@ -19,6 +20,9 @@ from tilecast.scheduler.batching import (
     Dispatch,
     QueuedRequest,
     first_difference,
+    gather,
+    gather_by_scan,
+    key_token,
 )
 from tilecast.scheduler.batching_metrics import (
     BatchMetrics,
@@ -245,6 +249,85 @@ def test_gathering_stops_at_the_cap_and_later_requests_keep_their_place():
 
 
 # ---- deadlines -------------------------------------------------------------------------
+
+
+_NAN = float("nan")
+KEY_POOLS = {
+    "width": lambda: [1024, 1024, 1024.0, True, 512],
+    "num_inference_steps": lambda: [28, 28, 28.0, 2**70, None],
+    "guidance_scale": lambda: [0.0, 0.0, -0.0, False, 3.5],
+    "image_sizes": lambda: [[1, 2], [1, 2], (1, 2), [1.0, 2], [[1, 2]]],
+    "odd": lambda: ["a", [_NAN], [_NAN], [float("nan")], _NAN, {"x": 1}, {"x": 1.0}, {1: 1}, "\ud800"],
+}
+"""Each field's values: mostly the first, then values Python compares in its own way (1024 ==
+1024.0; -0.0 == 0.0 == False; a list never equals a tuple; NaN equals nothing, yet a list holding
+the same NaN object equals itself) and values msgpack cannot encode (an int over 64 bits, a lone
+surrogate). A pool is a fresh list per draw, so ``float("nan")`` is a new NaN each time."""
+
+
+def random_request(rng: random.Random, index: int, t: float) -> QueuedRequest:
+    """A request drawn from few values per field, so many requests are compatible and many differ
+    from the head only deep in the key."""
+    key = {field: rng.choice(pool()) if rng.random() < 0.5 else pool()[0] for field, pool in KEY_POOLS.items()}
+    if rng.random() < 0.05:
+        del key[rng.choice(list(key))]
+    if rng.random() < 0.05:
+        key["extra"] = 1
+    if rng.random() < 0.1:  # the same fields in another order
+        key = dict(rng.sample(list(key.items()), len(key)))
+    return QueuedRequest(
+        job_id=f"j{index}",
+        model=rng.choice((FLUX, FLUX, FLUX, FLUX, QWEN)),
+        task=rng.choice(("t2i",) * 9 + ("t2v",)),
+        key=key,
+        resolution=rng.choice(("1024x1024",) * 4 + ("512x512", None)),
+        enqueued_at=t,
+        family_max=rng.choice((8, 8, 4, 1)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gather_picks_the_same_batches_as_the_scan_on_a_random_queue(seed):
+    rng = random.Random(seed)
+    rules = [{"model_contains": "Qwen-Image", "resolution": "1024x1024", "max_batch_size": 1}]
+    rules += [{"model_contains": "FLUX", "resolution": "512x512", "max_batch_size": 3}]
+    fast_clock, scan_clock = FakeClock(), FakeClock()
+    fast = batcher(fast_clock, max_size=rng.choice((4, 8)), rules=rules)
+    scan = batcher(scan_clock, max_size=fast.config.max_size, rules=rules)
+    scan.gather_members = gather_by_scan
+    assert fast.gather_members is gather  # the batcher as it runs
+    queue, arrived, dispatches, merged = [], 0, 0, 0
+    while arrived < 400 or queue:
+        for _ in range(rng.randrange(0, 12) if arrived < 400 else 0):
+            queue.append(random_request(rng, arrived, fast_clock.now))
+            arrived += 1
+        fast_clock.now = scan_clock.now = fast_clock.now + rng.choice((0.001, 0.002, 0.01))
+        assert fast.next_deadline(queue) == scan.next_deadline(queue)
+        chosen, expected = fast.select(queue), scan.select(queue)
+        assert chosen == expected, (seed, dispatches)
+        if chosen is not None:
+            take(queue, chosen)
+            dispatches += 1
+            merged += chosen.size > 1
+    assert dispatches > 100 and merged > 20
+
+
+def test_gather_counts_rejects_like_the_scan_however_deep_keys_differ():
+    queue = [req("head", 0.0, output_format="jpeg")]
+    queue += [req(f"r{i}", 0.0, num_inference_steps=28 if i % 3 == 0 else 20 + i % 2) for i in range(300)]
+    queue += [req(f"c{i}", 0.0, output_format="jpeg") for i in range(10)]
+    assert gather(queue[0], queue, 4) == gather_by_scan(queue[0], queue, 4)
+    job_ids, rejects = gather(queue[0], queue, 4)
+    assert job_ids == ["head", "c0", "c1", "c2"] and rejects == {"num_inference_steps": 200, "output_format": 100}
+
+
+def test_key_tokens_are_shared_by_equal_plain_keys_only():
+    key = {"width": 1024, "steps": 28, "scale": 3.5, "format": "png", "sizes": [[64, 64]], "lora": None}
+    assert key_token(key) == key_token(dict(key)) and isinstance(key_token(key), bytes)
+    for other in ({**key, "scale": 3.6}, {**key, "steps": 28.0}, {**key, "lora": False}, dict(reversed(key.items()))):
+        assert key_token(other) != key_token(key)
+    for odd in ({"a": (1, 2)}, {"a": float("nan")}, {"a": 2**70}, {"a": "\ud800"}, {"a": {1: 2}}, {"a": 2**62 + 0.5j}):
+        assert key_token(odd) != key_token(dict(odd))  # each its own: compared field by field
 
 
 def test_next_deadline_is_head_arrival_plus_delay():

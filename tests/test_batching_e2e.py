@@ -127,10 +127,21 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
     [
         ("tiny/flux", {}, "image/png"),
         ("tiny/qwen-image", {}, "image/png"),
+        ("tiny/qwen-image-2512", {}, "image/png"),
         ("tiny/z-image-turbo", {}, "image/png"),
+        ("tiny/z-image", {}, "image/png"),
         ("tiny/sd3", {}, "image/png"),
         ("tiny/glm-image", {}, "image/png"),
+        ("tiny/sana-1.5-1.6b", {}, "image/png"),
+        ("tiny/flux.2-dev", {"num_inference_steps": 2}, "image/png"),
+        ("tiny/flux.2-klein-4b", {}, "image/png"),
+        ("tiny/ernie-image", {}, "image/png"),
+        ("tiny/ernie-image-turbo", {}, "image/png"),
         ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
+        ("tiny/hunyuanvideo", {"num_frames": 5, "num_inference_steps": 2}, "video/mp4"),
+        ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
+        ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
+        ("tiny/ltx-2", {"width": 64, "height": 64, "num_frames": 9, "num_inference_steps": 2}, "video/mp4"),
         # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 gives NaN on
         # Qwen-Image's schedule). Edit Plus serves one request per call.
         ("tiny/qwen-image-edit", {"image": images.sample_png(48, 32), "num_inference_steps": 2}, "image/png"),
@@ -141,8 +152,9 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
     skip_without_required_modules(resolve_pipeline(model))  # the Qwen image-edit rows need torchvision
     size = min(2, resolve_pipeline(model).max_batch_size)  # GLM-Image, Edit Plus: one request at a time
     with serve(model, delay_ms=200.0) as (_server, client):
-        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **SMALL, **extra) for i in range(2)])
-        single = client.generate(prompt="alone", timeout=60.0, **SMALL, **extra)
+        fields = {**SMALL, **extra}  # LTX-2's smallest size is 64 x 64
+        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(2)])
+        single = client.generate(prompt="alone", timeout=60.0, **fields)
         assert [r.info["batch_size"] for r in pair] == [size, size] and single.info["batch_size"] == 1
         for result in (*pair, single):
             assert result.job.state == "completed" and result.files[0].mime == mime

@@ -2,10 +2,14 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, Qwen-Image-Edit ~8e-7): batch shape may change kernels,
-the seeds do not change. GLM-Image is served one request at a time (``max_batch_size = 1``): a merged
-``GlmImagePipeline`` batch changes every request's picture
-(``test_glm_image_serves_singletons_because_merging_changes_each_request``); so is Edit Plus, whose
+Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7,
+FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
+Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio, ``tests/test_ltx2.py``,
+Qwen-Image-Edit ~8e-7): batch shape may change
+kernels, the seeds do not change.
+GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
+batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``);
+so are Helios-Mid and -Distilled (``tests/test_hunyuan_helios.py`` says why) and Edit Plus, whose
 diffusers pipeline takes one prompt per call (``tests/test_image_edit.py``).
 
 Image-to-image families get their ``sample_images()`` as input; a family whose ``required_modules``
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -24,9 +29,15 @@ import torch
 
 from tests.harness import make_context, sample_uploads, skip_without_required_modules, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
+from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
+from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
+from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
+from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
+from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
@@ -52,8 +63,14 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
-    fields.setdefault("width", 32)
-    fields.setdefault("height", 32)
+    """A request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) and, for a video
+    family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
+    side = max(32, getattr(pipe, "min_side", 32))
+    fields.setdefault("width", side)
+    fields.setdefault("height", side)
+    if pipe.output_kind == "video":
+        multiple, remainder = pipe.num_frames_rule
+        fields.setdefault("num_frames", multiple + remainder)
     return pipe.prepare(pipe.params_type(**fields), sample_uploads(pipe))
 
 
@@ -95,7 +112,8 @@ def test_builtin_name_and_checkpoint_directory_route_to_the_family(name, tiny_ca
 def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     skip_without_required_modules(FAMILIES[name])
     pipe, ctx = loaded(name)
-    steps = dict(num_inference_steps=2)  # enough to compare; a card's default (50 on Qwen-Image-Edit) is not
+    # An image-to-image family runs 2 steps, not its card's (50 on Qwen-Image-Edit): each run also encodes its input.
+    steps = dict(num_inference_steps=2) if pipe.min_images else {}
     a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True, **steps)
     b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True, **steps)
     alone = pipe.run([work(pipe, "alone", a)], ctx)[0]
@@ -104,7 +122,7 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
     x, y, other = alone.tensors[kind], pair[0].tensors[kind], pair[1].tensors[kind]
-    expected_shape = (3, 32, 32) if kind == "image" else (a.num_frames, 3, 32, 32)
+    expected_shape = (3, a.height, a.width) if kind == "image" else (a.num_frames, 3, a.height, a.width)
     assert tuple(x.shape) == expected_shape and x.dtype == torch.float32
     assert torch.isfinite(x).all() and 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.01
     diff = (x - y).abs().max().item()
@@ -117,14 +135,14 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
         from PIL import Image
 
         assert written.mime == "image/png" and written.path.suffix == ".png"
-        assert Image.open(written.path).size == (32, 32)
+        assert Image.open(written.path).size == (a.width, a.height)
     else:
         import av
 
         assert written.mime == "video/mp4"
         with av.open(str(written.path)) as container:
             frames = list(container.decode(video=0))
-        assert len(frames) == a.num_frames and (frames[0].width, frames[0].height) == (32, 32)
+        assert len(frames) == a.num_frames and (frames[0].width, frames[0].height) == (a.width, a.height)
 
 
 DIRECT_TOL = 1e-5
@@ -168,6 +186,14 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["max_sequence_length"] = cls.max_sequence_length
     if pipe.output_kind == "video":
         kwargs["num_frames"] = params.num_frames
+    # the family's own extra arguments (SANA's use_resolution_binning=False) are part of its declaration
+    kwargs = {**pipe.call_kwargs(params), **kwargs}
+    if "pyramid_num_inference_steps_list" in accepted:  # Helios' pyramid: steps per stage, Distilled's card
+        del kwargs["num_inference_steps"]
+        kwargs["pyramid_num_inference_steps_list"] = [2] * direct.scheduler.config.stages
+        kwargs["is_amplify_first_chunk"] = direct.config.is_distilled
+    if hasattr(pipe, "card_kwargs"):  # a card's recipe where diffusers' defaults differ (LTX-2: fps, guidance terms)
+        kwargs.update(pipe.card_kwargs(params))
     if item.uploads:  # an image-to-image family: its input images as diffusers' load_image gives them
         pictures = images.load_images(item.uploads)
         kwargs["image"] = pictures[0] if len(pictures) == 1 else pictures
@@ -297,6 +323,264 @@ def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded
     assert not torch.equal(*second)  # the second request's tokens follow the first one's seed
 
 
+# ---- SANA / SANA 1.5 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
+        "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
+        "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+        "Efficient-Large-Model/Sana_600M_1024px_diffusers",
+        "Efficient-Large-Model/Sana_1600M_512px_diffusers",
+        "Efficient-Large-Model/Sana_600M_512px_diffusers",
+    ],
+)
+def test_released_sana_ids_route_to_sana(model_id, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is SanaT2IPipeline
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is SanaT2IPipeline
+
+
+def test_sana_defaults_follow_the_cards_and_the_size_the_checkpoint(loaded):
+    from types import SimpleNamespace
+
+    pipe, ctx = loaded("tiny/sana-1.5-1.6b")
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (20, 4.5) and pipe.guidance_on(p)
+    assert (p.width, p.height) == (64, 64)  # the tiny transformer's sample_size 2 x DC-AE's 32
+    kwargs = pipe.call_kwargs(p)
+    assert kwargs["max_sequence_length"] == 300 and kwargs["use_resolution_binning"] is False
+    assert (pipe.prepare(pipe.params_type(prompt="x", width=96), {}).width, p.height) == (96, 64)
+    for sample_size, size in ((32, 1024), (16, 512)):  # the released configs: 1024px and 512px rows
+        transformer = SimpleNamespace(config=SimpleNamespace(sample_size=sample_size), dtype=torch.float32)
+        released = SanaT2IPipeline(SimpleNamespace(transformer=transformer, vae_scale_factor=32), ctx)
+        assert released.native_size == size
+    tokenizer = pipe.pipe.tokenizer  # Gemma's conventions, which SanaPipeline's text window relies on
+    assert tokenizer("a b").input_ids[0] == tokenizer.bos_token_id and tokenizer.pad_token_id == 0
+
+
+def test_sana_negative_prompt_is_per_request_in_a_batch(loaded):
+    pipe, ctx = loaded("tiny/sana-1.5-1.6b")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+    assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
+
+
+# ---- variants: one diffusers class, several released checkpoints ----------------------------
+RELEASED_VARIANTS = {
+    "Tongyi-MAI/Z-Image-Turbo": ZImageT2IPipeline,
+    "Tongyi-MAI/Z-Image": ZImageBaseT2IPipeline,
+    "Qwen/Qwen-Image": QwenImageT2IPipeline,
+    "Qwen/Qwen-Image-2512": QwenImage2512T2IPipeline,
+    "baidu/ERNIE-Image": ErnieImageT2IPipeline,
+    "baidu/ERNIE-Image-Turbo": ErnieImageTurboT2IPipeline,
+}
+"""Released hub id → the pipeline that serves it, where one diffusers class serves several checkpoints."""
+
+
+def _checkpoint_dir(path: Path, diffusers_class: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "model_index.json").write_text(json.dumps({"_class_name": diffusers_class}))
+    return path
+
+
+@pytest.mark.parametrize("model_id", sorted(RELEASED_VARIANTS))
+def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeypatch):
+    from tilecast.runtime import registry
+
+    family = RELEASED_VARIANTS[model_id]
+    name = model_id.rpartition("/")[2]
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family  # --model-id
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "local" / name, family.diffusers_class))) is family
+    for suffix in ("-bf16", "-diffusers"):  # a renamed copy still carries the released name
+        assert resolve_pipeline(str(_checkpoint_dir(tmp_path / f"{name}{suffix}", family.diffusers_class))) is family
+    # a Hub id: its snapshot directory is named by a commit, the id names the variant
+    snapshot = tmp_path / f"models--{model_id.replace('/', '--')}" / "snapshots" / "0123abc"
+    _checkpoint_dir(snapshot, family.diffusers_class)
+    monkeypatch.setattr(registry, "local_dir", lambda model_path: snapshot)
+    assert resolve_pipeline(model_id) is family
+
+
+def test_a_checkpoint_of_an_unserved_diffusers_pipeline_is_refused_whatever_its_name(tmp_path):
+    edit = _checkpoint_dir(tmp_path / "Qwen-Image-Edit-2511", "QwenImageEditPlusPipeline")
+    with pytest.raises(ValueError, match="'QwenImageEditPlusPipeline' is not served"):
+        resolve_pipeline(str(edit))  # its name holds the hint "Qwen-Image", its class says otherwise
+    renamed = _checkpoint_dir(tmp_path / "Qwen-Image-2512-export", "SomeRenamedPipeline")
+    assert resolve_pipeline(str(renamed)) is QwenImage2512T2IPipeline  # a class diffusers does not know: the name
+
+
+def test_an_unnamed_checkpoint_of_a_shared_class_is_served_by_its_first_declaration(tmp_path):
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "my-finetune", "ZImagePipeline"))) is ZImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "other", "QwenImagePipeline"))) is QwenImageT2IPipeline
+    assert resolve_pipeline(str(_checkpoint_dir(tmp_path / "third", "ErnieImagePipeline"))) is ErnieImageT2IPipeline
+
+
+def test_the_longest_hint_wins_whatever_the_listing_order():
+    from tilecast.runtime.registry import by_hint
+
+    for order in ((ZImageT2IPipeline, ZImageBaseT2IPipeline), (ZImageBaseT2IPipeline, ZImageT2IPipeline)):
+        assert by_hint(("/ckpt/z-image-turbo-v2",), order) is ZImageT2IPipeline
+        assert by_hint(("/ckpt/Z-Image",), order) is ZImageBaseT2IPipeline
+        assert by_hint(("/ckpt/flux",), order) is None
+    # every name is searched: the Hub id names the variant when the snapshot directory does not
+    assert by_hint(("0123abc", "Tongyi-MAI/Z-Image-Turbo")) is ZImageT2IPipeline
+
+
+def test_variant_defaults_follow_their_cards(loaded):
+    z_image, _ = loaded("tiny/z-image")
+    p = z_image.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})  # guidance on: a negative prompt is used
+    assert (p.num_inference_steps, p.guidance_scale, z_image.guidance_on(p)) == (50, 4.0, True)
+    assert z_image.pipe.scheduler.config.shift == 6.0  # Tongyi-MAI/Z-Image's scheduler (Turbo: 3.0)
+    turbo, _ = loaded("tiny/z-image-turbo")
+    assert turbo.pipe.scheduler.config.shift == 3.0 and not turbo.guidance_on(turbo.prepare(T2IParams(prompt="x"), {}))
+    qwen, _ = loaded("tiny/qwen-image-2512")
+    p = qwen.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
+    assert qwen.call_kwargs(p)["true_cfg_scale"] == 4.0
+    ernie, _ = loaded("tiny/ernie-image")
+    p = ernie.prepare(T2IParams(prompt="x", negative_prompt="blurry"), {})
+    assert (p.num_inference_steps, p.guidance_scale, ernie.guidance_on(p)) == (50, 4.0, True)
+    turbo, _ = loaded("tiny/ernie-image-turbo")
+    p = turbo.prepare(T2IParams(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale, turbo.guidance_on(p)) == (8, 1.0, False)
+
+
+# ---- ERNIE-Image ---------------------------------------------------------------------------
+
+
+def test_ernie_negative_prompt_steers_per_request_and_the_prompt_enhancer_stays_off(loaded):
+    pipe, ctx = loaded("tiny/ernie-image")
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=4, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    assert (out[0].tensors["image"] - out[1].tensors["image"]).abs().max() > 0.01
+    assert (alone - out[1].tensors["image"]).abs().max() <= BATCH_TOL
+    assert pipe.call_kwargs(plain)["use_pe"] is False and "max_sequence_length" not in pipe.call_kwargs(plain)
+
+
+# ---- FLUX.2-dev and FLUX.2 [klein] ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_id", "family"),
+    [
+        ("black-forest-labs/FLUX.2-dev", Flux2T2IPipeline),
+        ("black-forest-labs/FLUX.2-dev-NVFP4", Flux2T2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-4B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-9B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-base-4B", Flux2KleinT2IPipeline),
+        ("black-forest-labs/FLUX.2-klein-base-9B", Flux2KleinT2IPipeline),
+    ],
+)
+def test_released_flux2_ids_route_to_their_family(model_id, family, tmp_path):
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family
+    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+    renamed.mkdir()
+    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
+    assert resolve_pipeline(str(renamed)) is family
+
+
+def test_flux2_dev_defaults_follow_its_card(loaded):
+    pipe, _ = loaded("tiny/flux.2-dev")
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    assert (p.num_inference_steps, p.guidance_scale) == (50, 4.0)
+    assert not pipe.guidance_on(p) and pipe.call_kwargs(p)["max_sequence_length"] == 512
+
+
+def test_flux2_dev_reads_a_released_tokenizer_folder_without_its_processor(loaded, tiny_cache, tmp_path):
+    """The released FLUX.2-dev stores its tokenizer as a ``PixtralProcessor`` (importing it needs
+    torchvision); the family loads the folder's tokenizer and chat template alone, also from the
+    processor's older ``chat_template.json``, and computes what the tiny checkpoint's own layout does."""
+    import shutil
+
+    released = tmp_path / "FLUX.2-dev"
+    shutil.copytree(Flux2T2IPipeline.checkpoint.ensure(tiny_cache), released)
+    index = json.loads((released / "model_index.json").read_text())
+    (released / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    folder = released / "tokenizer"
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "processor_class": "PixtralProcessor"}))
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+
+    pipe, ctx = loaded("tiny/flux.2-dev")
+    released_pipe = Flux2T2IPipeline.load(str(released), ctx)
+    assert released_pipe.pipe.tokenizer.chat_template == template
+    params = params_for(pipe, prompt="a harbour at dawn", seed=3, num_inference_steps=2, return_tensor=True)
+    want = pipe.run([WorkItem(job_id="tiny", params=params)], ctx)[0].tensors["image"]
+    got = released_pipe.run([WorkItem(job_id="released", params=params)], ctx)[0].tensors["image"]
+    assert torch.equal(got, want)
+
+
+def test_flux2_dev_nvfp4_weights_alone_are_refused_at_load(tmp_path):
+    nvfp4 = tmp_path / "FLUX.2-dev-NVFP4"  # the released repo: one file of BFL-named NVFP4 transformer weights
+    nvfp4.mkdir()
+    (nvfp4 / "flux2-dev-nvfp4-mixed.safetensors").touch()
+    assert resolve_pipeline(str(nvfp4), model_id="black-forest-labs/FLUX.2-dev-NVFP4") is Flux2T2IPipeline
+    with pytest.raises(ValueError, match="NVFP4 transformer weights"):
+        Flux2T2IPipeline.load(str(nvfp4), make_context(tmp_path / "out", dtype="float32"))
+
+
+def test_flux2_klein_distilled_defaults_and_refusals(loaded):
+    pipe, _ = loaded("tiny/flux.2-klein-4b")
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    assert pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (4, 1.0) and not pipe.guidance_on(p)
+    assert pipe.call_kwargs(p)["max_sequence_length"] == 512
+    with pytest.raises(ValueError, match="guidance_scale must be at most 1.0 for flux.2-klein"):
+        pipe.prepare(pipe.params_type(prompt="x", guidance_scale=4.0), {})
+    with pytest.raises(ValueError, match="negative_prompt cannot be used by flux.2-klein: .* step-distilled"):
+        pipe.prepare(pipe.params_type(prompt="x", negative_prompt="blurry"), {})
+
+
+def test_flux2_klein_base_runs_guidance_with_per_request_negative_prompts(tiny_cache, tmp_path):
+    """A Klein Base checkpoint (``is_distilled`` false in its ``model_index.json``) takes the Base
+    card's defaults and runs classifier-free guidance; a negative prompt is per request in a batch."""
+    import shutil
+
+    base = tmp_path / "FLUX.2-klein-base-4B"
+    shutil.copytree(Flux2KleinT2IPipeline.checkpoint.ensure(tiny_cache), base)
+    index = json.loads((base / "model_index.json").read_text())
+    (base / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
+    ctx = make_context(tmp_path / "out", dtype="float32")
+    pipe = Flux2KleinT2IPipeline.load(str(base), ctx)
+    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    assert not pipe.distilled and (p.num_inference_steps, p.guidance_scale) == (50, 4.0) and pipe.guidance_on(p)
+
+    plain = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, return_tensor=True)
+    negative = msgspec.structs.replace(plain, negative_prompt="fog, night, blurry")
+    out = pipe.run([WorkItem(job_id="plain", params=plain), WorkItem(job_id="neg", params=negative)], ctx)
+    alone = pipe.run([WorkItem(job_id="neg-alone", params=negative)], ctx)[0].tensors["image"]
+    with_negative = out[1].tensors["image"]
+    assert (out[0].tensors["image"] - with_negative).abs().max() > 0.01  # the negative prompt steers the result
+    assert (alone - with_negative).abs().max() <= BATCH_TOL  # and is per request inside a merged batch
+    empty = msgspec.structs.replace(plain, negative_prompt="")
+    same = pipe.run([WorkItem(job_id="empty", params=empty)], ctx)[0].tensors["image"]
+    assert (same - out[0].tensors["image"]).abs().max() <= BATCH_TOL  # unset means "" (diffusers' only one)
+    unguided = params_for(pipe, prompt="a lighthouse", seed=5, num_inference_steps=2, guidance_scale=1.0)
+    with pytest.raises(ValueError, match="negative_prompt cannot be used"):
+        pipe.prepare(msgspec.structs.replace(unguided, negative_prompt="fog"), {})
+
+
+def test_ernie_checkpoint_with_a_prompt_enhancer_loads_without_it(tiny_cache, tmp_path):
+    """The released checkpoints list ``pe`` / ``pe_tokenizer`` (a 3B model): they are not read."""
+    released = tmp_path / "ERNIE-Image"
+    shutil.copytree(ErnieImageT2IPipeline.checkpoint.ensure(tiny_cache), released)
+    index = json.loads((released / "model_index.json").read_text())
+    index.update(pe=["transformers", "Ministral3ForCausalLM"], pe_tokenizer=["transformers", "TokenizersBackend"])
+    (released / "model_index.json").write_text(json.dumps(index))  # no pe/ folder: reading it would fail
+    pipe = ErnieImageT2IPipeline.load(str(released), make_context(tmp_path / "out", dtype="float32"))
+    assert pipe.pipe.pe is None and pipe.pipe.pe_tokenizer is None
+
+
 @pytest.mark.parametrize(
     ("name", "fields", "message"),
     [
@@ -315,6 +599,16 @@ def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded
         ("tiny/glm-image", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by glm-image"),
         ("tiny/glm-image", {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt cannot be used by glm-i"),
         ("tiny/glm-image", {"max_sequence_length": 4096}, "max_sequence_length must be in 1..2048"),
+        ("tiny/sana-1.5-1.6b", {"width": 48}, "width must be a multiple of 32"),
+        (
+            "tiny/sana-1.5-1.6b",
+            {"guidance_scale": 1.0, "negative_prompt": "x"},
+            "negative_prompt cannot be used by sana",
+        ),
+        ("tiny/flux.2-dev", {"negative_prompt": "blurry"}, "negative_prompt cannot be used by flux.2-dev"),
+        ("tiny/flux.2-klein-4b", {"guidance_scale": 2.0}, "guidance_scale must be at most 1.0"),
+        ("tiny/ernie-image", {"max_sequence_length": 64}, "max_sequence_length cannot be used by ernie-image"),
+        ("tiny/ernie-image-turbo", {"negative_prompt": "x"}, "negative_prompt cannot be used by ernie-image-turbo"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
     ],
@@ -374,7 +668,9 @@ def test_batch_key_holds_shape_fields_not_per_request_ones(loaded):
     assert (pipe.task, wan.task, pipe.max_batch_size) == ("t2i", "t2v", 16)
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny/flux"}))  # FLUX: tests/test_flux_fast.py
+@pytest.mark.parametrize(
+    "name", sorted(set(tiny_families(variants=False)) - {"tiny/flux"})
+)  # FLUX: tests/test_flux_fast.py; variants compile their family's transformer
 def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded, tmp_path):
     skip_without_required_modules(FAMILIES[name])
     eager, ctx = loaded(name)
@@ -383,7 +679,8 @@ def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded,
         m for m in compiled.pipe.transformer.modules() if type(m).__name__ in compiled.pipe.transformer._repeated_blocks
     ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
-    params = params_for(eager, prompt="a quiet harbour", seed=4, num_inference_steps=2, return_tensor=True)
+    steps = dict(num_inference_steps=2) if eager.min_images else {}  # as in the batch test
+    params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True, **steps)
     expected = eager.run([work(eager, "eager", params)], ctx)[0].tensors[eager.output_kind]
     got = compiled.run([work(eager, "compiled", params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4

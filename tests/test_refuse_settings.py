@@ -23,13 +23,20 @@ import pytest
 
 from tests.harness import cli_flags, make_context
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, pipeline_settings
+from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
+from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
-from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
+from tilecast.runtime.models.families.helios import HeliosPyramidT2VPipeline, HeliosT2VPipeline
+from tilecast.runtime.models.families.hunyuan_video import HunyuanVideoT2VPipeline
+from tilecast.runtime.models.families.ltx2 import LTX2T2VPipeline
+from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.qwen_image_edit import QwenImageEditI2IPipeline, QwenImageEditPlusI2IPipeline
+from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
-from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
+from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +44,21 @@ PIPELINES = {
     "tiny/k6sr": K6SRPipeline,
     "tiny/flux": FluxT2IPipeline,
     "tiny/qwen-image": QwenImageT2IPipeline,
+    "tiny/qwen-image-2512": QwenImage2512T2IPipeline,
     "tiny/z-image-turbo": ZImageT2IPipeline,
+    "tiny/z-image": ZImageBaseT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
     "tiny/glm-image": GlmImageT2IPipeline,
+    "tiny/sana-1.5-1.6b": SanaT2IPipeline,
+    "tiny/flux.2-dev": Flux2T2IPipeline,
+    "tiny/flux.2-klein-4b": Flux2KleinT2IPipeline,
+    "tiny/ernie-image": ErnieImageT2IPipeline,
+    "tiny/ernie-image-turbo": ErnieImageTurboT2IPipeline,
+    "tiny/hunyuanvideo": HunyuanVideoT2VPipeline,
+    "tiny/helios-base": HeliosT2VPipeline,
+    "tiny/helios-distilled": HeliosPyramidT2VPipeline,
+    "tiny/ltx-2": LTX2T2VPipeline,
     "tiny/qwen-image-edit": QwenImageEditI2IPipeline,
     "tiny/qwen-image-edit-2511": QwenImageEditPlusI2IPipeline,
 }

@@ -1,7 +1,7 @@
 """``tilecast bench``: benchmarks (not tests), each comparing with its peer in the same run.
 
 The commands only parse flags; each benchmark lives in its own module of this package
-(``k6sr``, ``attention``, ``step``, ``batching`` with ``peer``, ``placement``), imported when its
+(``k6sr``, ``attention``, ``step``, ``batching`` with ``peer``, ``placement``, ``scheduler``), imported when its
 command runs, so mounting ``bench_app`` imports no torch. Tables and ``--json-out`` go through
 ``report``.
 """
@@ -275,3 +275,60 @@ def placement(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     _print_rows(rows, list(PLACEMENT_COLUMNS), "Kandinsky 6 SR x2 weight placement, one GPU", json_out)
+
+
+@bench_app.command("scheduler")
+def scheduler(
+    scenario: Annotated[
+        Optional[list[str]],
+        typer.Option("--scenario", help="Queues to decide on (default all): mixed, one-model, one-size."),
+    ] = None,
+    num_queued: Annotated[int, typer.Option("--num-queued", help="Queued requests at every decision.")] = 1000,
+    decisions: Annotated[int, typer.Option("--decisions", help="Timed decisions per repeat.")] = 500,
+    round_trips: Annotated[int, typer.Option("--round-trips", help="Timed health / status calls per repeat.")] = 500,
+    upload_mb: Annotated[float, typer.Option("--upload-mb", help="Size of the upload (MiB).")] = 64.0,
+    uploads: Annotated[int, typer.Option("--uploads", help="Timed uploads to the server per repeat.")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", help="Repeats of every measurement (the spread).")] = 5,
+    server: Annotated[
+        bool, typer.Option("--server/--no-server", help="Also time the round trips against an in-process server.")
+    ] = True,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
+) -> None:
+    """CPU: rank 0's batch decision at a deep queue, client round trips, and the wire for a large upload."""
+    from tilecast.launcher.bench.scheduler import (
+        DISPATCH_COLUMNS,
+        SCENARIOS,
+        TARGET_DECISION_US,
+        WIRE_COLUMNS,
+        run_scheduler_bench,
+    )
+
+    for name in scenario or ():
+        if name not in SCENARIOS:
+            raise typer.BadParameter(f"--scenario {name!r}: choose from {', '.join(SCENARIOS)}")
+    try:  # a ValueError names the bad option
+        result = run_scheduler_bench(
+            scenarios=list(scenario or SCENARIOS),
+            num_queued=num_queued,
+            decisions=decisions,
+            round_trips=round_trips,
+            upload_mb=upload_mb,
+            uploads=uploads,
+            repeats=repeats,
+            server=server,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    print_table(
+        result["dispatch"],
+        list(DISPATCH_COLUMNS),
+        f"rank 0's batch decision at {num_queued} queued, microseconds (target p95 <= {TARGET_DECISION_US:.0f})",
+        headers=list(DISPATCH_COLUMNS.values()),
+    )
+    print_table(
+        result["wire"],
+        list(WIRE_COLUMNS),
+        "round trips and the wire, microseconds",
+        headers=list(WIRE_COLUMNS.values()),
+    )
+    save_json(result, json_out)

@@ -2,9 +2,17 @@
 
 Both sides share the very same released-size networks (default diffusers configs, seeded
 random weights, bf16 with diffusers' fp32 modules kept fp32), the same input frames and the same
-noise (one tile chunk seeded like diffusers' generator). diffusers' attention is swapped for
-plain dense ``F.scaled_dot_product_attention`` (PyTorch picks its kernel), so both compute the
-same dense attention; tilecast uses its own attention entry point, its channels-last VAE decode
+noise. tilecast seeds each tile chunk's noise with ``seed + index of its first tile`` (the
+reference's rule), while diffusers' pipeline draws every chunk from the one ``generator`` in
+sequence; with several tiles the two would start from different noise (the large workload's 9 tiles
+read 18 dB), so the peer runs under ``chunk_seeded_noise``: diffusers' own ``randn_tensor`` draw,
+given a fresh generator seeded by that rule per chunk (the pipeline takes neither ``latents=`` nor
+per-chunk generators, so the bench wraps its draw; nothing else of diffusers changes, and the draw
+costs what diffusers' own does). The PSNR then says whether the outputs agree
+(tests/test_k6sr_bench_parity.py checks the mechanism on the CPU with 4 tile chunks).
+
+diffusers' attention is swapped for plain dense ``F.scaled_dot_product_attention`` (PyTorch picks
+its kernel), so both compute the same dense attention; tilecast uses its own attention entry point, its channels-last VAE decode
 (``vae_decode.py``) and, with ``--compile``, compiled DiT blocks.
 
 Stage times come from synchronized wrappers around the shared modules (VAE encode/decode,
@@ -13,11 +21,12 @@ latent upscaler, DiT), identical for both sides; "other" is the rest of the end-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -173,7 +182,38 @@ def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: S
     )
 
 
-def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
+@contextlib.contextmanager
+def chunk_seeded_noise(seed: int) -> Iterator[list[int]]:
+    """Inside, diffusers' ``Kandinsky6SRPipeline`` draws each tile chunk's noise like tilecast: its
+    own ``randn_tensor`` call with a fresh CPU generator seeded ``seed + index of the chunk's first
+    tile`` instead of the ``generator`` argument. For one call of a batch-1 pipeline (the chunks of
+    one video, drawn in tile order). Yields the first tile index of every draw, in order."""
+    from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_sr as module
+
+    original = module.randn_tensor
+    first_tiles: list[int] = []
+    next_tile = 0
+
+    def randn_tensor(shape, generator=None, device=None, dtype=None, layout=None):
+        nonlocal next_tile
+        if isinstance(generator, list) and len(generator) > 1:
+            raise ValueError("chunk_seeded_noise: one video at a time (batch 1)")
+        first_tiles.append(next_tile)
+        chunk_generator = torch.Generator(device="cpu").manual_seed(seed + next_tile)
+        next_tile += shape[0]  # the chunk's tiles
+        return original(shape, generator=chunk_generator, device=device, dtype=dtype, layout=layout)
+
+    module.randn_tensor = randn_tensor
+    try:
+        yield first_tiles
+    finally:
+        module.randn_tensor = original
+
+
+def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int, *, chunk_seeded: bool = True) -> torch.Tensor:
+    """diffusers' pipeline on ``parts``, x2, 2 steps, one tile per chunk (as ``run_tilecast``).
+    ``chunk_seeded``: noise as tilecast draws it (``chunk_seeded_noise``); False: diffusers' one
+    generator seeded ``seed`` (agrees with tilecast only on a single tile)."""
     from diffusers import Kandinsky6SRPipeline
     from PIL import Image
 
@@ -185,13 +225,16 @@ def run_diffusers(parts, frames_FHWC: np.ndarray, seed: int) -> torch.Tensor:
     )
     pipe.set_progress_bar_config(disable=True)
     images = [Image.fromarray(frame) for frame in frames_FHWC]
-    out = pipe(
-        video=images,
-        resolution_scale=2,
-        num_inference_steps=2,
-        generator=torch.Generator().manual_seed(seed),
-        output_type="pt",
-    ).frames
+    noise = chunk_seeded_noise(seed) if chunk_seeded else contextlib.nullcontext()
+    with noise:
+        out = pipe(
+            video=images,
+            resolution_scale=2,
+            num_inference_steps=2,
+            tiles_batch_size=1,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="pt",
+        ).frames
     return out[0]  # (F, C, H, W) in [0, 1]
 
 

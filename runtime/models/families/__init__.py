@@ -1,19 +1,8 @@
-"""The batchable text-to-image, image-to-image and text-to-video families, each a diffusers pipeline served by tilecast.
+"""The diffusers-pipeline families tilecast serves: one module per family (its declaration, its
+tiny checkpoint, its context-parallel plan where tilecast writes one).
 
-=============================  ====================  ====  =================================================================
-built-in name                  family                task  diffusers pipeline
-=============================  ====================  ====  =================================================================
-``tiny/flux``                  flux                  t2i   ``FluxPipeline`` (FLUX.1-dev)
-``random/flux``                flux                  t2i   ``FluxPipeline`` (FLUX.1-dev, released size, random weights)
-``tiny/qwen-image``            qwen-image            t2i   ``QwenImagePipeline``
-``tiny/qwen-image-edit``       qwen-image-edit       i2i   ``QwenImageEditPipeline`` (Qwen-Image-Edit; needs torchvision)
-``tiny/qwen-image-edit-2511``  qwen-image-edit-plus  i2i   ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509 / 2511,
-                                                           FireRed-Image-Edit 1.0 / 1.1; 1..3 images; one request at a time)
-``tiny/z-image-turbo``         z-image-turbo         t2i   ``ZImagePipeline`` (Z-Image-Turbo)
-``tiny/sd3``                   sd3                   t2i   ``StableDiffusion3Pipeline`` (SD3 Medium, SD3.5)
-``tiny/glm-image``             glm-image             t2i   ``GlmImagePipeline`` (GLM-Image; one request at a time)
-``tiny/wan2.1-t2v``            wan2.1-t2v            t2v   ``WanPipeline`` (Wan2.1 T2V 1.3B)
-=============================  ====================  ====  =================================================================
+Which families exist is ``runtime/registry.py``'s ``PIPELINES`` (and the README's "Models served"
+table, with each one's requests, batching and ranks); this index does not repeat them.
 
 Shared request fields, the batch execution and the tiny-checkpoint machinery live in
 ``families.common``; offline tokenizers in ``families.tokenizers``; released-size random models

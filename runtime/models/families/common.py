@@ -164,6 +164,16 @@ class T2VParams(SGLangFields, forbid_unknown_fields=True, kw_only=True):
     """Also return the raw float output (``[0, 1]``, ``FxCxHxW``) as tensor ``video``."""
 
 
+class I2VParams(T2VParams, forbid_unknown_fields=True, kw_only=True):
+    """An image-to-video request: ``T2VParams`` plus input images (the first frame, and for some
+    models a last frame), sent as uploads ``image.0``, ``image.1`` (``families.images``)."""
+
+    image_sizes: list[list[int]] = []
+    """Written by the server: each input image's ``[width, height]`` (part of the batch key)."""
+    image_digests: list[str] = []
+    """Written by the server: each input image's SHA-256 (see ``I2IParams``)."""
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 # Weight init draws from the global torch RNG: one build per process at a time.
 _BUILD_LOCK = threading.Lock()
@@ -260,21 +270,43 @@ def write_image(image_CHW: torch.Tensor, fmt: str, path: Path, quality: int = JP
     path.write_bytes(image_bytes(image_CHW, fmt, quality))
 
 
-def write_mp4(video_FCHW: torch.Tensor, path: Path, *, fps: int) -> None:
-    """Write float frames in ``[0, 1]`` as H.264 MP4 (yuv420p) through PyAV."""
+def write_mp4(
+    video_FCHW: torch.Tensor, path: Path, *, fps: int, audio_CS: torch.Tensor | None = None, sample_rate: int = 0
+) -> None:
+    """Write float frames in ``[0, 1]`` as H.264 MP4 (yuv420p, even sizes) through PyAV; with
+    ``audio_CS`` (float samples in ``[-1, 1]``, one row per channel: mono or stereo) also an AAC
+    track at ``sample_rate``, every sample of it (its duration is ``samples / sample_rate``)."""
     import av
+    import numpy as np
 
     frames = (video_FCHW.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+    if frames.shape[1] % 2 or frames.shape[2] % 2:
+        raise ValueError(f"yuv420p needs even frame sizes, got {frames.shape[2]}x{frames.shape[1]}")
     with av.open(str(path), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "18"}
+        audio = None
+        if audio_CS is not None:
+            channels = audio_CS.shape[0]
+            if channels not in (1, 2) or sample_rate <= 0:
+                raise ValueError(f"audio must be mono or stereo at a positive rate, got {channels} channels")
+            layout = "mono" if channels == 1 else "stereo"
+            audio = container.add_stream("aac", rate=sample_rate, layout=layout)
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if audio is not None:
+            samples_CS = np.ascontiguousarray(audio_CS.clamp(-1, 1).float().cpu().numpy())
+            step = audio.codec_context.frame_size or 1024
+            for start in range(0, samples_CS.shape[1], step):
+                chunk = av.AudioFrame.from_ndarray(samples_CS[:, start : start + step], format="fltp", layout=layout)
+                chunk.sample_rate, chunk.pts = sample_rate, start
+                container.mux(audio.encode(chunk))
+            container.mux(audio.encode(None))
 
 
 def output_path(ctx: RankContext, item: WorkItem, family: str, fmt: str) -> Path:
@@ -317,6 +349,11 @@ class DiffusersBatchPipeline(Pipeline):
     family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
+    output_audio: ClassVar[bool] = False
+    """The diffusers call returns ``(video, audio)`` (LTX-2): the audio goes into the MP4 as an AAC
+    track at ``audio_sample_rate``, into ``info["audio"]`` and, with ``return_tensor``, tensor ``audio``."""
+    audio_sample_rate: int = 0
+    """Samples per second of the audio output (set by an ``output_audio`` family at load)."""
     default_negative_prompt: ClassVar[str] = ""
     """What a request without ``negative_prompt`` steers away from when guidance runs."""
     per_request_fields: ClassVar[tuple[str, ...]] = Pipeline.per_request_fields + (
@@ -399,11 +436,23 @@ class DiffusersBatchPipeline(Pipeline):
         import diffusers
 
         path = cls.resolve_path(model_path)
-        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        own = cls.own_components(path)  # loaded here, not by diffusers: it is told to skip them
+        pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, **dict.fromkeys(own)
+        )
+        if own:
+            pipe.register_modules(**own)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, device)
         return pipe
+
+    @classmethod
+    def own_components(cls, path: Path) -> dict[str, Any]:
+        """Components of the checkpoint at ``path`` that the family loads itself, by component name
+        (diffusers' loader skips them; a None one stays unloaded). Default: none. FLUX.2-dev loads its
+        tokenizer here; ERNIE-Image leaves out its prompt enhancer."""
+        return {}
 
     @classmethod
     def install_fast_paths(cls, pipe: Any, settings: ServeConfig) -> None:
@@ -577,6 +626,11 @@ class DiffusersBatchPipeline(Pipeline):
         ``image``, one RGB ``PIL.Image`` per request (its first input image)."""
         return {"image": [images.load_images(item.uploads)[0] for item in items]}
 
+    def pipe_for(self, items: list[WorkItem]) -> Any:
+        """The diffusers pipeline object that runs this batch: ``self.pipe``; LTX-2 runs batches with
+        an input image through its image-to-video pipeline over the same components."""
+        return self.pipe
+
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
         """The diffusers ``__call__`` arguments of a batch (all but the progress callback and
         ``return_dict``): one prompt and one CPU ``torch.Generator`` seeded by its request's seed per
@@ -596,22 +650,36 @@ class DiffusersBatchPipeline(Pipeline):
 
     def generate(self, items: list[WorkItem], ctx: RankContext) -> torch.Tensor:
         """One native diffusers call for the batch; returns float ``[0, 1]`` outputs, one row per item."""
+        return self.generate_outputs(items, ctx)[0]
+
+    def generate_outputs(self, items: list[WorkItem], ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``generate``'s outputs and, for a family with ``output_audio``, the batch's audio
+        (float ``[-1, 1]``, ``B x channels x samples``, diffusers' second output)."""
         first = items[0].params
         key = self.batch_key(first)
         for item in items[1:]:
             assert self.batch_key(item.params) == key, "scheduler merged incompatible requests"
-        steps = first.num_inference_steps
+        steps = self.denoising_steps(first)
+        done = 0
 
-        def on_step(_pipe, step, _timestep, callback_kwargs):
-            ctx.progress(step + 1, steps)
+        def on_step(_pipe, _step, _timestep, callback_kwargs):
+            nonlocal done
+            done = min(done + 1, steps)
+            ctx.progress(done, steps)
             ctx.cancel_point()  # every rank runs the same steps (replicated or split): a boundary they share
             return callback_kwargs
 
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
         self.use_lora(first)
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
-            result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
-        return result.float().cpu()
+            result = self.pipe_for(items)(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)
+        audio = result[1].float().cpu() if self.output_audio else None
+        return result[0].float().cpu(), audio
+
+    def denoising_steps(self, params) -> int:
+        """Denoising steps one call runs for ``params`` (what progress counts): ``num_inference_steps``;
+        a family whose pipeline runs several rounds of steps (Helios' chunks and stages) says so."""
+        return params.num_inference_steps
 
     def sample_images(self) -> list[bytes]:
         """``min_images`` small deterministic input pictures (PNG): what ``health_request`` sends to an
@@ -667,18 +735,30 @@ class DiffusersBatchPipeline(Pipeline):
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
         over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on
         every rank. A batch whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
-        outputs_BX = self.generate(items, ctx)
+        outputs_BX, audio_BCS = self.generate_outputs(items, ctx)
         ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):
             raise RuntimeError(
                 f"{self.diffusers_class} returned {outputs_BX.shape[0]} outputs for {len(items)} requests"
             )
         results, writes = [], []
-        for item, sample in zip(items, outputs_BX):
+        for index, (item, sample) in enumerate(zip(items, outputs_BX)):
             params = item.params
             out = Output(info={"family": self.family, "batch_size": len(items), "shape": list(sample.shape)})
+            audio_CS = None if audio_BCS is None else audio_BCS[index]
+            if self.output_kind == "video":
+                out.info.update(num_frames=sample.shape[0], fps=params.fps)
+            if audio_CS is not None:
+                out.info["audio"] = {
+                    "sample_rate": self.audio_sample_rate,
+                    "channels": audio_CS.shape[0],
+                    "samples": audio_CS.shape[1],
+                    "duration_s": audio_CS.shape[1] / self.audio_sample_rate,
+                }
             if params.return_tensor:
                 out.tensors[self.output_kind] = sample.contiguous()
+                if audio_CS is not None:
+                    out.tensors["audio"] = audio_CS.contiguous()
             if ctx.is_output_rank:
                 path = output_path(ctx, item, self.family, params.output_format)
                 if self.output_kind == "image":
@@ -686,7 +766,7 @@ class DiffusersBatchPipeline(Pipeline):
                     writes.append(_ENCODERS.submit(write_image, sample, params.output_format, path, quality))
                     mime = IMAGE_FORMATS[params.output_format]
                 else:
-                    write_mp4(sample, path, fps=params.fps)
+                    write_mp4(sample, path, fps=params.fps, audio_CS=audio_CS, sample_rate=self.audio_sample_rate)
                     mime = VIDEO_FORMATS[params.output_format]
                 out.files.append(OutputFile(name=path.name, path=path, mime=mime))
             results.append(out)

@@ -1,4 +1,5 @@
-"""Qwen-Image text-to-image (``QwenImagePipeline``) and its built-in tiny checkpoint ``tiny/qwen-image``.
+"""Qwen-Image and Qwen-Image-2512 text-to-image (``QwenImagePipeline``) and their built-in tiny
+checkpoints ``tiny/qwen-image`` and ``tiny/qwen-image-2512``.
 
 The tiny checkpoint keeps the real structure: the Wan-style 8x ``AutoencoderKLQwenImage`` with 16
 latent channels (``tiny/wan2.1-t2v``'s VAE config), an MMDiT ``QwenImageTransformer2DModel`` on
@@ -10,6 +11,12 @@ falls inside the system prompt, which changes nothing structural.
 ``guidance_scale`` is Qwen-Image's true classifier-free guidance (diffusers' ``true_cfg_scale``):
 above 1 every request runs a conditional and an unconditional pass, the latter on its own
 ``negative_prompt`` (default ``" "``, as diffusers recommends).
+
+Qwen-Image-2512 (``QwenImage2512T2IPipeline``) is a newer checkpoint of the same architecture and
+pipeline: the same family, its own tiny checkpoint (same configs, another seed) and its card's
+defaults (Qwen/Qwen-Image-2512: 50 steps at ``true_cfg_scale`` 4.0). Both are ``QwenImagePipeline``
+checkpoints: the registry tells them apart by name (``model_id_hints``; an unnamed directory is
+served as Qwen-Image, the family's first declaration).
 """
 
 from __future__ import annotations
@@ -79,6 +86,12 @@ def build_tiny_qwen_image():
 TINY_QWEN_IMAGE = TinyCheckpoint(
     name="tiny-qwen-image-v1", seed=20250702, build=build_tiny_qwen_image, ref=f"{__name__}:TINY_QWEN_IMAGE"
 )
+TINY_QWEN_IMAGE_2512 = TinyCheckpoint(
+    name="tiny-qwen-image-2512-v1",
+    seed=20251231,
+    build=build_tiny_qwen_image,
+    ref=f"{__name__}:TINY_QWEN_IMAGE_2512",
+)
 
 
 class QwenImageT2IPipeline(DiffusersBatchPipeline):
@@ -90,6 +103,7 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
     diffusers_class = "QwenImagePipeline"
     checkpoint = TINY_QWEN_IMAGE
     builtin_name = "tiny/qwen-image"
+    model_id_hints = ("Qwen-Image",)
     cp_plan = "diffusers:QwenImageTransformer2DModel._cp_plan"
     size_multiple = 16
     default_guidance = 4.0
@@ -104,3 +118,13 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
         """``guidance_scale`` is diffusers' ``true_cfg_scale`` here (its own ``guidance_scale`` is for
         guidance-distilled checkpoints)."""
         return {**super().call_kwargs(params), "true_cfg_scale": params.guidance_scale, "guidance_scale": None}
+
+
+class QwenImage2512T2IPipeline(QwenImageT2IPipeline):
+    """Qwen-Image-2512: Qwen-Image's family with the 2512 card's defaults."""
+
+    family = "qwen-image-2512"
+    checkpoint = TINY_QWEN_IMAGE_2512
+    builtin_name = "tiny/qwen-image-2512"
+    model_id_hints = ("Qwen-Image-2512",)
+    default_steps = 50

@@ -1,17 +1,25 @@
-"""Z-Image-Turbo text-to-image (``ZImagePipeline``) and its built-in tiny checkpoint ``tiny/z-image-turbo``.
+"""Z-Image and Z-Image-Turbo text-to-image (``ZImagePipeline``) and their built-in tiny checkpoints
+``tiny/z-image-turbo`` and ``tiny/z-image``.
 
-The tiny checkpoint keeps the real structure: FLUX.1's 16-channel, 8x ``AutoencoderKL`` (the one
+The tiny checkpoints keep the real structure: FLUX.1's 16-channel, 8x ``AutoencoderKL`` (the one
 of ``tiny/flux``), a single-stream ``ZImageTransformer2DModel`` (2x2 patches, noise and context
 refiner layers) and a ``Qwen3Model`` text encoder whose second-to-last hidden state conditions the
 transformer, with a byte-level ``Qwen2Tokenizer`` built offline and a Qwen chat template (the
-pipeline formats every prompt through ``apply_chat_template``).
+pipeline formats every prompt through ``apply_chat_template``). The two differ only in the
+scheduler's shift, as the releases do (Turbo 3.0, Z-Image 6.0).
 
 Z-Image-Turbo is distilled to run without guidance: the default ``guidance_scale`` is 0; above 0
 diffusers runs classifier-free guidance with each request's ``negative_prompt`` (default ``""``).
+Z-Image (the undistilled base, ``ZImageBaseT2IPipeline``) is the same family with its card's
+defaults (Tongyi-MAI/Z-Image: 50 steps at ``guidance_scale`` 4, the card's range 28-50 steps and
+3-5): guidance on. ``ZImagePipeline`` scales guidance as ``cond + g * (cond - uncond)``, so 0 is
+off. Both are ``ZImagePipeline`` checkpoints: the registry tells them apart by name
+(``model_id_hints``; an unnamed directory is served as Z-Image-Turbo, the family's first declaration).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from tilecast.runtime.models.families import common, flux, tokenizers
@@ -23,8 +31,9 @@ TEXT_DIM = 32
 """Hidden size of the tiny text encoder (the transformer's ``cap_feat_dim``)."""
 
 
-def build_tiny_z_image():
-    """The tiny ``ZImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+def build_tiny_z_image(shift: float = 3.0):
+    """The tiny ``ZImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does); ``shift``:
+    the flow-matching scheduler's (Z-Image-Turbo's 3.0 by default)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -45,7 +54,7 @@ def build_tiny_z_image():
         axes_lens=[512, 128, 128],
     ).eval()
     vae = AutoencoderKL(**flux.flux_configs(flux.TINY_OVERRIDES)["vae"]).eval()  # Z-Image-Turbo uses FLUX.1's VAE
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=False)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
@@ -53,6 +62,12 @@ def build_tiny_z_image():
 
 TINY_Z_IMAGE = TinyCheckpoint(
     name="tiny-z-image-turbo-v1", seed=20250703, build=build_tiny_z_image, ref=f"{__name__}:TINY_Z_IMAGE"
+)
+TINY_Z_IMAGE_BASE = TinyCheckpoint(
+    name="tiny-z-image-v1",
+    seed=20250706,
+    build=functools.partial(build_tiny_z_image, shift=6.0),  # Tongyi-MAI/Z-Image's scheduler_config.json
+    ref=f"{__name__}:TINY_Z_IMAGE_BASE",
 )
 
 
@@ -93,6 +108,7 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
     diffusers_class = "ZImagePipeline"
     checkpoint = TINY_Z_IMAGE
     builtin_name = "tiny/z-image-turbo"
+    model_id_hints = ("Z-Image-Turbo",)
     cp_plan = f"{__name__}:z_image_cp_plan"
     size_multiple = 16
     default_guidance = 0.0
@@ -100,3 +116,14 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
 
     def guidance_on(self, params) -> bool:
         return params.guidance_scale > 0.0
+
+
+class ZImageBaseT2IPipeline(ZImageT2IPipeline):
+    """Z-Image, the undistilled base: Z-Image-Turbo's family with the base card's defaults (guidance on)."""
+
+    family = "z-image"
+    checkpoint = TINY_Z_IMAGE_BASE
+    builtin_name = "tiny/z-image"
+    model_id_hints = ("Z-Image",)
+    default_steps = 50
+    default_guidance = 4.0
