@@ -93,7 +93,7 @@ def test_builtin_names_and_diffusers_classes_route_without_torchvision():
     assert resolve_pipeline("tiny/qwen-image-edit") is Edit
     assert resolve_pipeline("tiny/qwen-image-edit-2511") is EditPlus
     served = diffusers_classes()
-    assert served["QwenImageEditPipeline"] is Edit and served["QwenImageEditPlusPipeline"] is EditPlus
+    assert served["QwenImageEditPipeline"] == (Edit,) and served["QwenImageEditPlusPipeline"] == (EditPlus,)
     # Where torchvision is installed, a fresh interpreter that cannot import it still routes every
     # model (these families included) and refuses to load an edit checkpoint naming it. (Without
     # torchvision, which is CI, the in-process tests here show the same.)
