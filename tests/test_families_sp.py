@@ -187,8 +187,12 @@ def _references(name: str, cache_dir, output_dir, fields) -> tuple[list[torch.Te
             ),
             with_kwargs=True,
         )
-        outputs = [_generate(pipeline, ctx, [request], fields)[0] for request in REQUESTS]
-    return outputs, calls, queries
+        outputs, firsts = [], []
+        for request in REQUESTS:
+            seen = len(queries)
+            outputs.append(_generate(pipeline, ctx, [request], fields)[0])
+            firsts.append(queries[seen])  # the first split layer's tokens in this request's first call
+    return outputs, calls, firsts
 
 
 _REFERENCE_CACHE: dict = {}
@@ -230,7 +234,10 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         # it gets on one rank, and no attention kernel call gets more than 1/N of the (query tokens x
         # heads) of the largest one-rank call (Ulysses: every token, 1/U of the heads; Ring: 1/R of
         # the tokens, every head), padding aside.
-        full = max(ref_queries)  # ERNIE-Image's joint [image, text] sequence: the batch's longest prompt sets it
+        # a merged batch pads to its longest request (ERNIE-Image's joint [image, text] sequence);
+        # a family served one request at a time (Helios' pyramid) starts with the first request alone
+        merged = _pipeline_class(name).max_batch_size >= len(REQUESTS)
+        full = max(ref_queries) if merged else ref_queries[0]
         assert result["layer_queries"][0] == -(-full // world), (rank, result["layer_queries"][0], full)
         heads = result["heads"]
         work = max(s * h for _b, s, h, _d in result["kernel_queries"])

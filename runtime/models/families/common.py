@@ -699,7 +699,10 @@ class DiffusersBatchPipeline(Pipeline):
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
         over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on
         every rank. A batch whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
-        outputs_BX, audio_BCS = self.generate_outputs(items, ctx)
+        # ``generate`` is what families override (Helios trims its chunks, GLM-Image beats its AR stage)
+        outputs_BX, audio_BCS = (
+            self.generate_outputs(items, ctx) if self.output_audio else (self.generate(items, ctx), None)
+        )
         ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):
             raise RuntimeError(
