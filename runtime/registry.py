@@ -33,6 +33,10 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
     "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.wan:WanT2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22T2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22TI2VPipeline",
+    "tilecast.runtime.models.families.wan_i2v:WanI2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22I2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where two declare the same diffusers class (FLUX's
@@ -64,11 +68,15 @@ def diffusers_classes() -> dict[str, type[Pipeline]]:
     return served
 
 
-def _by_hint(name: str) -> type[Pipeline] | None:
-    for cls in pipelines():
-        if any(hint.lower() in name.lower() for hint in cls.model_id_hints):
-            return cls
-    return None
+def _by_hint(name: str, among: tuple[type[Pipeline], ...] | None = None) -> type[Pipeline] | None:
+    """The pipeline with the longest ``model_id_hints`` entry found in ``name`` (case-insensitive):
+    the most specific one (``FastWan2.2-TI2V-5B`` over ``Wan2.2-TI2V-5B``)."""
+    best, best_len = None, 0
+    for cls in among if among is not None else pipelines():
+        for hint in cls.model_id_hints:
+            if hint.lower() in name.lower() and len(hint) > best_len:
+                best, best_len = cls, len(hint)
+    return best
 
 
 def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipeline]:
@@ -96,7 +104,10 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         raise ValueError(f"{index} is not a valid model_index.json ({exc})") from exc
     served = diffusers_classes()
     if class_name in served:
-        return served[class_name]
+        # several families may declare the class (Wan2.1 and Wan2.2 share WanPipeline): the directory's
+        # name picks among them by hint, else the first listed serves it
+        sharing = tuple(cls for cls in pipelines() if cls.diffusers_class == class_name)
+        return _by_hint(path.name, sharing) or _by_hint(str(model_path), sharing) or served[class_name]
     if (cls := _by_hint(path.name)) is not None or (cls := _by_hint(str(model_path))) is not None:
         return cls
     raise ValueError(

@@ -51,9 +51,16 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
+    """A prepared request with ``fields`` at 32 x 32 pixels, with the family's example input images
+    (``example_uploads``: an image-to-video family's first frame)."""
     fields.setdefault("width", 32)
     fields.setdefault("height", 32)
-    return pipe.prepare(pipe.params_type(**fields), {})
+    return pipe.prepare(pipe.params_type(**fields), pipe.example_uploads())
+
+
+def work(pipe, job_id: str, params) -> WorkItem:
+    """A work item of ``params`` with the family's example input images."""
+    return WorkItem(job_id=job_id, params=params, uploads=pipe.example_uploads())
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -89,8 +96,8 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     pipe, ctx = loaded(name)
     a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
     b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
-    alone = pipe.run([WorkItem(job_id="alone", params=a)], ctx)[0]
-    items = [WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)]
+    alone = pipe.run([work(pipe, "alone", a)], ctx)[0]
+    items = [work(pipe, "a", a), work(pipe, "b", b)]
     size = min(len(items), pipe.max_batch_size)  # a singleton-only family (GLM-Image) runs them one by one
     pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
@@ -134,7 +141,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
     pipe, ctx = loaded(name)
     cls = FAMILIES[name]
     params = params_for(pipe, prompt="a lighthouse at dusk", seed=5, num_inference_steps=2, return_tensor=True)
-    ours = pipe.run([WorkItem(job_id="ours", params=params)], ctx)[0].tensors[pipe.output_kind]
+    item = work(pipe, "ours", params)
+    ours = pipe.run([item], ctx)[0].tensors[pipe.output_kind]
 
     direct = getattr(diffusers, cls.diffusers_class).from_pretrained(str(cls.checkpoint.ensure(tiny_cache)))
     direct.set_progress_bar_config(disable=True)
@@ -155,6 +163,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["max_sequence_length"] = cls.max_sequence_length
     if pipe.output_kind == "video":
         kwargs["num_frames"] = params.num_frames
+    if pipe.max_images and item.uploads:
+        kwargs.update(pipe.image_kwargs([item]))  # the input images as diffusers' public arguments
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape
@@ -529,8 +539,8 @@ def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded,
     ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
     params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True)
-    expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]
-    got = compiled.run([WorkItem(job_id="compiled", params=params)], ctx)[0].tensors[eager.output_kind]
+    expected = eager.run([work(eager, "eager", params)], ctx)[0].tensors[eager.output_kind]
+    got = compiled.run([work(compiled, "compiled", params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4
 
 

@@ -192,13 +192,24 @@ class TinyCheckpoint:
     ref: str
     """Where this object lives (``"module:NAME"``): a child interpreter imports it from there to build
     it where this process's ``save_pretrained`` would skip weights (``runtime/cache.py``)."""
+    index_classes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """``model_index.json`` entries written as the released checkpoint names them where the saved
+    object's class differs (transformers' ``CLIPImageProcessorPil`` fallback saves itself under its
+    own name; released Wan I2V checkpoints say ``CLIPImageProcessor``)."""
 
     def write(self, target: Path) -> Path:
         """Build and ``save_pretrained`` into ``target`` (which must not exist yet)."""
+        import json
+
         with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             pipe = self.build()
         pipe.save_pretrained(str(target), safe_serialization=True)
+        if self.index_classes:
+            index_path = target / "model_index.json"
+            index = json.loads(index_path.read_text())
+            index.update(self.index_classes)
+            index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return target
 
     def ensure(self, cache_dir: Path | None = None) -> Path:
@@ -601,12 +612,26 @@ class DiffusersBatchPipeline(Pipeline):
         # The VAE decode after the last step is one long stage: its module calls beat the watchdog.
         self.use_lora(first)
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
-            result = self.pipe(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
+            call = self.pipe_for(items)
+            result = call(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)[0]
         return result.float().cpu()
 
+    def pipe_for(self, items: list[WorkItem]) -> Any:
+        """The diffusers pipeline object that runs this batch. Default: ``self.pipe``; a family whose
+        requests take one of two diffusers calls (Wan2.2 TI2V: text- or image-to-video over the same
+        components) picks by the batch's key."""
+        return self.pipe
+
+    def example_uploads(self) -> dict[str, bytes]:
+        """The uploads of a smallest valid request (the health check, the registry-driven tests):
+        none, or ``min_images`` example images (``images.example_image``)."""
+        if not self.min_images:
+            return {}
+        return {name: images.example_image() for name in images.upload_names(self.min_images)}
+
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """One denoising step at the request defaults' size."""
-        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+        """One denoising step at the request defaults' size (with ``example_uploads``)."""
+        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, self.example_uploads()
 
     def use_lora(self, params) -> None:
         """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/
