@@ -303,9 +303,22 @@ class WanFamily(DiffusersBatchPipeline):
         return pipeline
 
     @classmethod
+    def build_diffusers(cls, model_path: str, device, dtype) -> Any:
+        path = cls.resolve_path(model_path)
+        if path.is_dir() and not (path / "model_index.json").is_file():
+            raise ValueError(
+                f"{path} has no model_index.json: {cls.family} loads diffusers-format Wan checkpoints"
+                " (TurboDiffusion's TurboWan releases are .pth weights for its own runner: convert them"
+                " into a diffusers folder first)"
+            )
+        return super().build_diffusers(model_path, device, dtype)
+
+    @classmethod
     def check_sparse_attention(cls, variant: str | None, defaults: WanDefaults, ctx) -> None:
         """A release trained with sparse attention runs dense only behind the explicit setting."""
         if defaults.sparse_attention is None:
+            if defaults.sampler_note and ctx.rank == 0:
+                logger.warning("%s: dense attention as released; sampling differs: %s", variant, defaults.sampler_note)
             return
         if not ctx.settings.allow_dense_attention_fallback:
             raise UnsupportedSettingError(

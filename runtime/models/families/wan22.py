@@ -177,6 +177,8 @@ class Wan22I2VPipeline(WanI2VPipeline):
         ),
     }
     fallback_variant = "Wan2.2-I2V-A14B"
+    max_sequence_length = wan.WanFamily.max_sequence_length
+    """No image context (no CLIP): the tiny text length of the other Wan families."""
 
 
 class WanTI2VParams(WanI2VParams, forbid_unknown_fields=True, kw_only=True):

@@ -127,6 +127,9 @@ class WanI2VPipeline(WanFamily):
         "Wan2.1-Fun-V1.1-1.3B-InP": WanDefaults(width=832, height=480, num_frames=49, max_images=2),
     }
     fallback_variant = "Wan2.1-I2V-14B-480P"
+    max_sequence_length = 512
+    """Diffusers' Wan attention splits the image context from the text by a hard-coded text length
+    of 512 (``WanAttnProcessor``): an image-conditioned transformer needs exactly 512 text tokens."""
 
     def __init__(self, pipe, ctx) -> None:
         super().__init__(pipe, ctx)
@@ -141,6 +144,15 @@ class WanI2VPipeline(WanFamily):
                 return encode(image[0] if isinstance(image, (list, tuple)) else image, device)
 
             pipe.encode_image = encode_first_frame
+
+    def validate(self, params) -> None:
+        super().validate(params)
+        length = params.max_sequence_length
+        if self.pipe.transformer.config.image_dim is not None and length not in (None, 512):
+            raise ValueError(
+                f"max_sequence_length must be 512 for {self.family}: diffusers' Wan attention takes the last"
+                f" 512 context tokens as the text and the rest as the image, got {length}"
+            )
 
     def image_kwargs(self, items: list[WorkItem]) -> dict[str, Any]:
         """``image`` (the first frame) and, with a second image, ``last_image``: one set for the
