@@ -141,12 +141,14 @@ def test_an_unnamed_wan_directory_goes_to_the_first_family_of_its_class(tmp_path
         (WanT2VPipeline, "Wan2.1-T2V-14B-Diffusers", (1280, 720, 81, 16, 50, 5.0, None, 5.0)),
         (Wan22T2VPipeline, "Wan2.2-T2V-A14B-Diffusers", (1280, 720, 81, 16, 40, 4.0, 3.0, None)),
         (Wan22TI2VPipeline, "Wan2.2-TI2V-5B-Diffusers", (1280, 704, 121, 24, 50, 5.0, None, None)),
-        (Wan22TI2VPipeline, "FastWan2.2-TI2V-5B-FullAttn-Diffusers", (1280, 704, 121, 24, 3, 1.0, None, None)),
+        (Wan22TI2VPipeline, "FastWan2.2-TI2V-5B-FullAttn-Diffusers", (1280, 704, 121, 24, 3, 1.0, None, 5.0)),
+        (Wan22I2VPipeline, "Wan2.2-I2V-A14B-Diffusers", (1280, 720, 81, 16, 40, 3.5, 3.5, None)),
     ],
 )
 def test_released_names_take_their_cards_defaults(cls, name, expected, loaded, released):
     pipe, _ = loaded(cls, released(cls, name))
-    p = pipe.prepare(pipe.params_type(prompt="x"), {})
+    frames = uploads(images.example_image(64, 36)) if cls.min_images else {}  # 16:9, the card's 1280 x 720
+    p = pipe.prepare(pipe.params_type(prompt="x"), frames)
     got = (p.width, p.height, p.num_frames, p.fps, p.num_inference_steps, p.guidance_scale)
     got += (getattr(p, "guidance_scale_2", None), p.flow_shift)
     assert got == expected  # flow shift None: the scheduler's (the tiny one ships 3, the 480P card's)
@@ -163,20 +165,16 @@ def test_wan21_14b_flow_shift_follows_the_resolution(loaded, released):
 @pytest.mark.parametrize(
     ("name", "steps", "guidance", "max_images", "size"),
     [
-        ("Wan2.1-I2V-14B-480P-Diffusers", 50, 5.0, 1, (832, 480)),
-        ("Wan2.1-I2V-14B-720P-Diffusers", 50, 5.0, 1, (1280, 720)),
-        ("Wan2.1-Fun-1.3B-InP-Diffusers", 50, 5.0, 2, (832, 480)),
+        ("Wan2.1-I2V-14B-480P-Diffusers", 40, 5.0, 1, (832, 480)),
+        ("Wan2.1-I2V-14B-720P-Diffusers", 40, 5.0, 1, (1280, 720)),
+        ("Wan2.1-Fun-1.3B-InP-Diffusers", 50, 6.0, 2, (832, 480)),
     ],
 )
 def test_i2v_cards_and_the_size_from_the_images_aspect_ratio(name, steps, guidance, max_images, size, loaded, released):
     pipe, _ = loaded(WanI2VPipeline, released(WanI2VPipeline, name))
     assert pipe.max_images == max_images
     square = pipe.prepare(pipe.params_type(prompt="x"), uploads(images.example_image(64, 64)))
-    assert (square.num_inference_steps, square.guidance_scale, square.num_frames) == (
-        steps,
-        guidance,
-        49 if "Fun" in name else 81,
-    )
+    assert (square.num_inference_steps, square.guidance_scale, square.num_frames) == (steps, guidance, 81)
     area = size[0] * size[1]  # the card's max_area; sides rounded down to 16
     side = int(round(area**0.5)) // 16 * 16
     assert (square.width, square.height) == (side, side)

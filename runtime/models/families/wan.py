@@ -402,6 +402,13 @@ class WanFamily(DiffusersBatchPipeline):
                 self.expert_offload.idle()
 
 
+TURBO = dict(
+    sparse_attention="SLA (sparse-linear attention)",
+    sampler_note="diffusers' scheduler runs the steps, not TurboDiffusion's rCM sampler",
+)
+"""What TurboDiffusion's TurboWan releases use that diffusers' Wan pipelines do not."""
+
+
 class WanT2VPipeline(WanFamily):
     """Wan2.1 T2V 1.3B / 14B (and the distilled FastWan2.1 / TurboWan2.1 T2V releases)."""
 
@@ -414,7 +421,8 @@ class WanT2VPipeline(WanFamily):
         # Wan-AI cards: 50 steps, guidance 5, 81 frames at 16 fps; flow shift 3 at 480P, 5 at 720P
         "Wan2.1-T2V-1.3B": WanDefaults(width=832, height=480, num_frames=81, flow_shift=3.0),
         "Wan2.1-T2V-14B": WanDefaults(width=1280, height=720, num_frames=81, flow_shift=3.0, flow_shift_720p=5.0),
-        # FastVideo: DMD + video sparse attention, 3 steps at 61 x 448 x 832, no CFG
+        # FastVideo (FastWanT2V480PConfig): DMD + video sparse attention, 3 steps at 61 x 448 x 832,
+        # flow shift 8, no CFG
         "FastWan2.1-T2V-1.3B": WanDefaults(
             width=832,
             height=448,
@@ -425,33 +433,15 @@ class WanT2VPipeline(WanFamily):
             sparse_attention="video sparse attention (VSA)",
             sampler_note="diffusers' UniPC runs the 3 steps, not FastVideo's DMD timesteps 1000/757/522",
         ),
-        # TurboDiffusion: rCM few-step distillation + SLA (sparse-linear attention), 4 steps, no CFG
+        # TurboDiffusion (its profiles in FastVideo): rCM few-step distillation + SLA, 4 steps, no CFG
         "TurboWan2.1-T2V-1.3B": WanDefaults(
-            width=832,
-            height=480,
-            num_frames=81,
-            steps=4,
-            guidance=1.0,
-            sparse_attention="SLA (sparse-linear attention)",
-            sampler_note="diffusers' scheduler runs the 4 steps, not TurboDiffusion's rCM sampler",
+            width=832, height=480, num_frames=81, steps=4, guidance=1.0, flow_shift=3.0, **TURBO
         ),
         "TurboWan2.1-T2V-14B": WanDefaults(
-            width=832,
-            height=480,
-            num_frames=81,
-            steps=4,
-            guidance=1.0,
-            sparse_attention="SLA (sparse-linear attention)",
-            sampler_note="diffusers' scheduler runs the 4 steps, not TurboDiffusion's rCM sampler",
+            width=832, height=480, num_frames=81, steps=4, guidance=1.0, flow_shift=5.0, **TURBO
         ),
         "TurboWan2.1-T2V-14B-720P": WanDefaults(
-            width=1280,
-            height=720,
-            num_frames=81,
-            steps=4,
-            guidance=1.0,
-            sparse_attention="SLA (sparse-linear attention)",
-            sampler_note="diffusers' scheduler runs the 4 steps, not TurboDiffusion's rCM sampler",
+            width=1280, height=720, num_frames=81, steps=4, guidance=1.0, flow_shift=5.0, **TURBO
         ),
     }
     fallback_variant = "Wan2.1-T2V-1.3B"

@@ -18,8 +18,9 @@ keeps timestep 0, ``expand_timesteps``), as diffusers' TI2V example loads it. Si
 of 32; the VAE's parallel decode (``wan_decode``) is Wan2.1's and is refused here.
 
 Defaults (Wan-AI cards): T2V A14B 1280 x 720, 81 frames at 16 fps, 40 steps, guidance 4.0 / 3.0 (high /
-low noise); I2V A14B 832 x 480 (``max_area`` of the image's aspect ratio), 81 frames, 40 steps, 3.5 /
-3.5; TI2V 5B 1280 x 704, 121 frames at 24 fps, 50 steps, guidance 5.0; the schedulers' own flow shift.
+low noise); I2V A14B 1280 x 720 (``max_area`` of the image's aspect ratio), 81 frames, 40 steps, 3.5 /
+3.5; TI2V 5B 1280 x 704, 121 frames at 24 fps, 50 steps, guidance 5.0; the schedulers' own flow shift
+(12, 5, 5). FastVideo's sampling configs (``configs/sample/wan.py``) agree.
 Distilled releases: TurboWan2.2 I2V A14B (TurboDiffusion, 4 steps, no CFG, SLA) and FastWan2.2 TI2V
 5B Full Attn (FastVideo, 3 steps, no CFG, dense attention) — see ``WanDefaults``.
 """
@@ -138,7 +139,6 @@ TINY_WAN22_TI2V = TinyCheckpoint(
     name="tiny-wan2.2-ti2v-5b-v1", seed=20250804, build=build_tiny_wan22_ti2v, ref=f"{__name__}:TINY_WAN22_TI2V"
 )
 
-_TURBO = "TurboDiffusion's rCM sampler (diffusers' scheduler runs its 4 steps instead)"
 _FAST = "FastVideo's DMD timesteps 1000/757/522 (diffusers' scheduler runs its 3 steps instead)"
 
 
@@ -164,16 +164,9 @@ class Wan22I2VPipeline(WanI2VPipeline):
     builtin_name = "tiny/wan2.2-i2v-a14b"
     max_images = 1
     variants = {
-        "Wan2.2-I2V-A14B": WanDefaults(width=832, height=480, num_frames=81, steps=40, guidance=3.5, guidance_2=3.5),
+        "Wan2.2-I2V-A14B": WanDefaults(width=1280, height=720, num_frames=81, steps=40, guidance=3.5, guidance_2=3.5),
         "TurboWan2.2-I2V-A14B": WanDefaults(
-            width=1280,
-            height=720,
-            num_frames=81,
-            steps=4,
-            guidance=1.0,
-            guidance_2=1.0,
-            sparse_attention="SLA (sparse-linear attention)",
-            sampler_note=_TURBO,
+            width=1280, height=720, num_frames=81, steps=4, guidance=1.0, guidance_2=1.0, flow_shift=5.0, **wan.TURBO
         ),
     }
     fallback_variant = "Wan2.2-I2V-A14B"
@@ -208,7 +201,7 @@ class Wan22TI2VPipeline(WanFamily):
     variants = {
         "Wan2.2-TI2V-5B": WanDefaults(width=1280, height=704, num_frames=121, fps=24, steps=50, guidance=5.0),
         "FastWan2.2-TI2V-5B-FullAttn": WanDefaults(
-            width=1280, height=704, num_frames=121, fps=24, steps=3, guidance=1.0, sampler_note=_FAST
+            width=1280, height=704, num_frames=121, fps=24, steps=3, guidance=1.0, flow_shift=5.0, sampler_note=_FAST
         ),
     }
     fallback_variant = "Wan2.2-TI2V-5B"

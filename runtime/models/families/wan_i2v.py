@@ -17,9 +17,10 @@ video. Diffusers takes one first frame (and one last frame) for a whole call, so
 with the same images merge (``batch_shares_images``). Without a size, a request keeps its first
 image's aspect ratio within the card's pixel count (the cards' ``max_area`` rule).
 
-Defaults (Wan-AI cards): 81 frames at 16 fps, 50 steps, guidance 5, flow shift 3 at 480P and 5 at
-720P; 832 x 480 pixels for 480P, 1280 x 720 for 720P. Fun 1.3B InP (the diffusers conversion's card):
-49 frames at 832 x 480.
+Defaults (Wan-AI's I2V release: its ``generate.py`` and card): 81 frames at 16 fps, 40 steps,
+guidance 5, flow shift 3 at 480P and 5 at 720P; 832 x 480 pixels for 480P, 1280 x 720 for 720P. Fun
+1.3B InP (VideoX-Fun's defaults, as FastVideo's ``Wan2_1_Fun_1_3B_InP_SamplingParam``): 81 frames at
+832 x 480, 50 steps, guidance 6, the checkpoint's flow shift.
 """
 
 from __future__ import annotations
@@ -121,10 +122,14 @@ class WanI2VPipeline(WanFamily):
     max_images = 2
     batch_shares_images = True
     variants = {
-        "Wan2.1-I2V-14B-480P": WanDefaults(width=832, height=480, num_frames=81, flow_shift=3.0, max_images=1),
-        "Wan2.1-I2V-14B-720P": WanDefaults(width=1280, height=720, num_frames=81, flow_shift=5.0, max_images=1),
-        "Wan2.1-Fun-1.3B-InP": WanDefaults(width=832, height=480, num_frames=49, max_images=2),
-        "Wan2.1-Fun-V1.1-1.3B-InP": WanDefaults(width=832, height=480, num_frames=49, max_images=2),
+        "Wan2.1-I2V-14B-480P": WanDefaults(
+            width=832, height=480, num_frames=81, steps=40, flow_shift=3.0, max_images=1
+        ),
+        "Wan2.1-I2V-14B-720P": WanDefaults(
+            width=1280, height=720, num_frames=81, steps=40, flow_shift=5.0, max_images=1
+        ),
+        "Wan2.1-Fun-1.3B-InP": WanDefaults(width=832, height=480, num_frames=81, guidance=6.0, max_images=2),
+        "Wan2.1-Fun-V1.1-1.3B-InP": WanDefaults(width=832, height=480, num_frames=81, guidance=6.0, max_images=2),
     }
     fallback_variant = "Wan2.1-I2V-14B-480P"
     max_sequence_length = 512
