@@ -2,8 +2,10 @@
 
 A request's output inside a merged batch matches its singleton output within ``BATCH_TOL``
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
-Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7, FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6): batch
-shape may change kernels, the seeds do not change.
+Z-Image-Turbo ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7, FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6,
+Wan2.1 I2V ~1.4e-6, Wan2.2 T2V A14B ~1.3e-6, Wan2.2 I2V A14B ~1.9e-6, Wan2.2 TI2V ~8e-7): batch
+shape may change kernels, the seeds do not change. Image-to-video families get their example input
+images (``example_uploads``), the same for every request of a batch.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``).
 """
