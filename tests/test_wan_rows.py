@@ -340,6 +340,13 @@ def test_transformer_2_is_a_known_offload_component_elsewhere_refused():
     assert "transformer_2" not in parse_components("all", "--cpu-offload-components")  # all: K6 SR's
 
 
+def test_compile_compiles_both_experts(tiny_cache, tmp_path):
+    pipe = Wan22T2VPipeline.load(Wan22T2VPipeline.builtin_name, make_context(tmp_path, dtype="float32", compile=True))
+    for expert in (pipe.pipe.transformer, pipe.pipe.transformer_2):
+        blocks = [m for m in expert.modules() if type(m).__name__ in expert._repeated_blocks]
+        assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+
+
 def _expert_split_ranks(rank, world_size, cache_dir, output_dir) -> dict:
     import os
 
@@ -506,3 +513,7 @@ def test_openai_sdk_sends_an_image_input_reference_to_an_i2v_server(i2v_http_ser
     assert len(frames) == 5 and (frames[0].width, frames[0].height) == (32, 32)
     with pytest.raises(openai.BadRequestError, match="needs an input image"):
         sdk.videos.create(prompt="no image", model="wan2.1-i2v", size="32x32", extra_body={"num_frames": 5})
+    import httpx
+
+    health = httpx.get(f"{i2v_http_server.http_url}/health_generate", timeout=120)  # sends the example image
+    assert health.status_code == 200 and health.json()["state"] == "completed", health.text
