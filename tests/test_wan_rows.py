@@ -517,3 +517,20 @@ def test_openai_sdk_sends_an_image_input_reference_to_an_i2v_server(i2v_http_ser
 
     health = httpx.get(f"{i2v_http_server.http_url}/health_generate", timeout=120)  # sends the example image
     assert health.status_code == 200 and health.json()["state"] == "completed", health.text
+
+
+@pytest.mark.timeout(300)
+def test_an_image_input_reference_to_a_text_to_video_server_is_a_400(tiny_cache, tmp_path):
+    import openai
+
+    from tilecast.runtime.config import ServeConfig
+    from tilecast.runtime.inproc import InProcessServer
+
+    png = tmp_path / "first.png"
+    png.write_bytes(FIRST)
+    config = ServeConfig(model_path="tiny/wan2.2-t2v-a14b", device="cpu", port=0, http_port=0, output_dir=tmp_path)
+    with InProcessServer(config) as server, png.open("rb") as reference:
+        sdk = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="takes no image reference") as refused:
+            sdk.videos.create(prompt="x", model="wan2.2-t2v-a14b", size="32x32", input_reference=reference)
+    assert refused.value.param == "input_reference"
