@@ -310,6 +310,19 @@ def test_cpu_offload_keeps_the_idle_expert_in_host_memory(loaded):
     assert [tensor.data_ptr() for tensor, _host in offload.group.slots] == host
 
 
+def test_offloaded_experts_are_loaded_straight_into_host_memory(monkeypatch, tiny_cache, tmp_path):
+    moved = []
+    original = torch.nn.Module.to
+    monkeypatch.setattr(
+        torch.nn.Module, "to", lambda self, *a, **k: moved.append(type(self).__name__) or original(self, *a, **k)
+    )
+    ctx = make_context(tmp_path, dtype="float32", cpu_offload_components="transformer_2")
+    assert Wan22T2VPipeline.load_options(ctx) == {"host_components": ("transformer_2",)}
+    pipe = Wan22T2VPipeline.load(Wan22T2VPipeline.builtin_name, ctx)
+    assert moved.count("WanTransformer3DModel") == 1  # the high-noise expert only; transformer_2 never moved
+    assert pipe.pipe._execution_device.type == "cpu"
+
+
 def test_cpu_offload_of_both_experts_swaps_them(loaded):
     pipe, ctx = loaded(Wan22T2VPipeline, cpu_offload_components="transformer,transformer_2")
     run(pipe, ctx, (prepared(pipe, seed=5, num_inference_steps=3), ()))

@@ -385,9 +385,12 @@ class DiffusersBatchPipeline(Pipeline):
         return local_dir(model_path)
 
     @classmethod
-    def build_diffusers(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    def build_diffusers(
+        cls, model_path: str, device: torch.device, dtype: torch.dtype, host_components: tuple[str, ...] = ()
+    ) -> Any:
         """The diffusers pipeline object on ``device`` in ``dtype``: what ``load`` wraps, and what
-        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks)."""
+        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks).
+        ``host_components`` stay in host memory (the family offloads them: ``load_options``)."""
         import diffusers
 
         path = cls.resolve_path(model_path)
@@ -397,10 +400,21 @@ class DiffusersBatchPipeline(Pipeline):
         )
         if own:
             pipe.register_modules(**own)
-        pipe.to(device)
+        if host_components:  # never on the device at once: what does not fit there together stays out
+            for name, component in pipe.components.items():
+                if isinstance(component, torch.nn.Module) and name not in host_components:
+                    component.to(device)
+        else:
+            pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, device)
         return pipe
+
+    @classmethod
+    def load_options(cls, ctx: RankContext) -> dict[str, Any]:
+        """Extra ``build_diffusers`` arguments from the run's settings. Default: none; the Wan
+        families keep their CPU-offloaded experts in host memory from the start (``host_components``)."""
+        return {}
 
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
@@ -423,7 +437,9 @@ class DiffusersBatchPipeline(Pipeline):
             raise UnsupportedSettingError(
                 "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
             )
-        pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
+        pipe = cls.build_diffusers(
+            model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype), **cls.load_options(ctx)
+        )
         if ctx.settings.lora_enabled and not hasattr(pipe, "load_lora_weights"):
             raise UnsupportedSettingError(
                 f"--lora-path / --lora-dir: diffusers' {cls.diffusers_class} loads no LoRA adapters"

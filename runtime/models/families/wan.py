@@ -219,6 +219,8 @@ def install_expert_offload(pipe, family: str, ctx) -> ExpertOffload | None:
             " that the offloaded host copy holds"
         )
     offload = ExpertOffload(pipe, names, ctx.device)
+    if torch.device(ctx.device).type == "cuda":
+        torch.cuda.empty_cache()  # give back what a device copy held (the host copies are the masters)
     if ctx.rank == 0:
         logger.info("%s: %s kept in host memory while idle (--cpu-offload-components)", family, ", ".join(names))
     return offload
@@ -303,7 +305,7 @@ class WanFamily(DiffusersBatchPipeline):
         return pipeline
 
     @classmethod
-    def build_diffusers(cls, model_path: str, device, dtype) -> Any:
+    def build_diffusers(cls, model_path: str, device, dtype, host_components: tuple[str, ...] = ()) -> Any:
         path = cls.resolve_path(model_path)
         if path.is_dir() and not (path / "model_index.json").is_file():
             raise ValueError(
@@ -311,7 +313,14 @@ class WanFamily(DiffusersBatchPipeline):
                 " (TurboDiffusion's TurboWan releases are .pth weights for its own runner: convert them"
                 " into a diffusers folder first)"
             )
-        return super().build_diffusers(model_path, device, dtype)
+        return super().build_diffusers(model_path, device, dtype, host_components)
+
+    @classmethod
+    def load_options(cls, ctx) -> dict[str, Any]:
+        """The experts named by ``--cpu-offload-components`` never go to the device at load (both
+        A14B experts need not fit there together)."""
+        names = tuple(name for name in ctx.settings.placement.cpu_offload_components if name in OFFLOADABLE)
+        return {"host_components": names} if names else {}
 
     @classmethod
     def check_sparse_attention(cls, variant: str | None, defaults: WanDefaults, ctx) -> None:
