@@ -26,6 +26,7 @@ TI2V 5B in ``wan22``; the distilled FastWan / TurboWan releases are variants of 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -116,7 +117,7 @@ class WanDefaults:
     """The sparse attention the release was trained with and tilecast does not have (served with
     dense attention only behind ``--allow-dense-attention-fallback``)."""
     sampler_note: str | None = None
-    """How the release samples where diffusers' call differs (logged with the dense fallback)."""
+    """How the release samples where diffusers' call differs (logged at load)."""
 
     def shift_for(self, width: int, height: int) -> float | None:
         """The card's flow shift for a ``width x height`` video (None: the scheduler's)."""
@@ -175,8 +176,8 @@ class ExpertOffload:
         from tilecast.runtime.placement import ComponentOffload
 
         self.offloads = {name: ComponentOffload(name, getattr(pipe, name), device) for name in names}
-        self.moves: list[str] = []
-        """Expert names in the order they came to the device (tests read it)."""
+        self.moves: collections.deque[str] = collections.deque(maxlen=64)
+        """The latest expert names in the order they came to the device (logs, tests)."""
         for name in OFFLOADABLE:
             module = getattr(pipe, name, None)
             if module is not None:
