@@ -34,6 +34,8 @@ from tilecast.runtime.models.families.wan_i2v import WanI2VPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
 
+DENSE = {"allow_dense_attention_fallback": True}
+"""The setting that serves a sparse-attention release (FastWan2.1, TurboWan) with dense attention."""
 BATCH_TOL = 1e-4
 """Max abs difference between a request's batched and singleton fp32 output (as tests/test_families)."""
 FIRST = images.example_image(48, 32)
@@ -141,7 +143,7 @@ def test_an_unnamed_wan_directory_goes_to_the_first_family_of_its_class(tmp_path
         (WanT2VPipeline, "Wan2.1-T2V-14B-Diffusers", (1280, 720, 81, 16, 50, 5.0, None, 5.0)),
         (Wan22T2VPipeline, "Wan2.2-T2V-A14B-Diffusers", (1280, 720, 81, 16, 40, 4.0, 3.0, None)),
         (Wan22TI2VPipeline, "Wan2.2-TI2V-5B-Diffusers", (1280, 704, 121, 24, 50, 5.0, None, None)),
-        (Wan22TI2VPipeline, "FastWan2.2-TI2V-5B-FullAttn-Diffusers", (1280, 704, 121, 24, 3, 1.0, None, 5.0)),
+        (Wan22TI2VPipeline, "FastWan2.2-TI2V-5B-FullAttn-Diffusers", (1280, 704, 121, 24, 3, 1.0, None, None)),
         (Wan22I2VPipeline, "Wan2.2-I2V-A14B-Diffusers", (1280, 720, 81, 16, 40, 3.5, 3.5, None)),
     ],
 )
@@ -448,18 +450,11 @@ def test_sparse_attention_releases_need_the_dense_fallback(loaded, released, tmp
     ):
         WanT2VPipeline.load(path, make_context(tmp_path, dtype="float32"))
     with caplog.at_level(logging.WARNING, logger="tilecast.runtime.models.families.wan"):
-        pipe, _ = loaded(WanT2VPipeline, path, allow_dense_attention_fallback=True)
+        pipe, _ = loaded(WanT2VPipeline, path, **DENSE)
     assert "DENSE attention instead of its video sparse attention" in caplog.text
     p = pipe.prepare(pipe.params_type(prompt="x"), {})
-    assert (p.width, p.height, p.num_frames, p.num_inference_steps, p.guidance_scale, p.flow_shift) == (
-        832,
-        448,
-        61,
-        3,
-        1.0,
-        8.0,
-    )
-    assert not pipe.guidance_on(p)
+    assert (p.width, p.height, p.num_frames, p.num_inference_steps, p.guidance_scale) == (832, 448, 61, 3, 1.0)
+    assert not pipe.guidance_on(p) and type(pipe.pipe.scheduler).__name__ == "DMDFlowScheduler"
     turbo = released(Wan22I2VPipeline, "TurboWan2.2-I2V-A14B-720P")
     with pytest.raises(UnsupportedSettingError, match=r"SLA \(sparse-linear attention\)"):
         Wan22I2VPipeline.load(turbo, make_context(tmp_path, dtype="float32"))
@@ -547,3 +542,60 @@ def test_an_image_input_reference_to_a_text_to_video_server_is_a_400(tiny_cache,
         with pytest.raises(openai.BadRequestError, match="takes no image reference") as refused:
             sdk.videos.create(prompt="x", model="wan2.2-t2v-a14b", size="32x32", input_reference=reference)
     assert refused.value.param == "input_reference"
+
+
+# ---- FastWan: DMD sampling --------------------------------------------------------------------
+
+
+def test_fastwan_samples_with_fastvideos_dmd_steps(loaded, released):
+    """Diffusers' WanPipeline driving the DMD scheduler equals FastVideo's DMD loop written out: x0
+    from the flow prediction at 1000 / 757 / 522, noised again with fresh noise from the request's
+    generator, sigmas from the shift-8 training schedule (nearest timestep)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe, ctx = loaded(WanT2VPipeline, released(WanT2VPipeline, "FastWan2.1-T2V-1.3B-Diffusers"), **DENSE)
+    train = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=8.0)
+
+    def sigma(t: int) -> float:
+        return float(train.sigmas[(train.timesteps - t).abs().argmin()])
+
+    params = prepared(pipe, seed=11)
+    diffusers_kwargs = pipe.call_args([WorkItem(job_id="j", params=params)])
+    with torch.inference_mode():
+        ours = pipe.pipe(**{**diffusers_kwargs, "output_type": "latent"}, return_dict=False)[0]
+        generator = torch.Generator().manual_seed(11)
+        embeds, _ = pipe.pipe.encode_prompt(
+            params.prompt, do_classifier_free_guidance=False, max_sequence_length=pipe.max_sequence_length
+        )
+        latents = torch.randn((1, 16, 2, 4, 4), generator=generator)
+        for i, t in enumerate((1000, 757, 522)):
+            v = pipe.pipe.transformer(
+                hidden_states=latents,
+                timestep=torch.tensor([float(t)]),
+                encoder_hidden_states=embeds,
+                return_dict=False,
+            )[0]
+            x0 = (latents.double() - sigma(t) * v.double()).float()
+            if i == 2:
+                latents = x0
+            else:
+                nxt = sigma((757, 522)[i])
+                latents = (1 - nxt) * x0 + nxt * torch.randn(latents.shape[1:], generator=generator).unsqueeze(0)
+    assert (ours - latents).abs().max() <= 1e-5
+
+
+def test_fastwan_dmd_batches_and_refuses_other_steps_guidance_and_flow_shift(loaded, released):
+    pipe, ctx = loaded(Wan22TI2VPipeline, released(Wan22TI2VPipeline, "FastWan2.2-TI2V-5B-FullAttn-Diffusers"))
+    a, b = prepared(pipe, seed=1), prepared(pipe, prompt="a second, longer prompt", seed=2)
+    alone = run(pipe, ctx, (a, ()))[0]
+    pair = run(pipe, ctx, (a, ()), (b, ()))
+    assert (pair[0] - alone).abs().max() <= BATCH_TOL and (pair[1] - alone).abs().max() > 0.01
+    image = prepared(pipe, (FIRST,), seed=1)  # image-to-video through the same DMD steps
+    assert (run(pipe, ctx, (image, (FIRST,)))[0] - alone).abs().max() > 0.01
+    for fields, message in (
+        ({"num_inference_steps": 4}, "num_inference_steps must be 3 for FastWan2.2-TI2V-5B-FullAttn"),
+        ({"guidance_scale": 3.0}, "guidance_scale must be at most 1.0 for FastWan2.2-TI2V-5B-FullAttn"),
+        ({"flow_shift": 3.0}, "flow_shift cannot be used by wan2.2-ti2v-5b"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            prepared(pipe, **fields)

@@ -39,6 +39,7 @@ import torch
 from tilecast.runtime.config import UnsupportedSettingError
 from tilecast.runtime.models.families import common, flux, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
+from tilecast.runtime.models.families.wan_dmd import DMD_TIMESTEPS
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ class WanDefaults:
     dense attention only behind ``--allow-dense-attention-fallback``)."""
     sampler_note: str | None = None
     """How the release samples where diffusers' call differs (logged at load)."""
+    dmd_timesteps: tuple[int, ...] | None = None
+    """FastVideo's DMD timesteps: the release samples with ``wan_dmd.DMDFlowScheduler`` (no CFG)."""
+    dmd_shift: float | None = None
+    """The flow shift of the DMD sampler's sigma table."""
 
     def shift_for(self, width: int, height: int) -> float | None:
         """The card's flow shift for a ``width x height`` video (None: the scheduler's)."""
@@ -301,6 +306,10 @@ class WanFamily(DiffusersBatchPipeline):
         if defaults.max_images is not None:
             pipeline.max_images = defaults.max_images
         pipeline.expert_offload = install_expert_offload(pipeline.pipe, pipeline.family, ctx)
+        if defaults.dmd_timesteps:
+            from tilecast.runtime.models.families.wan_dmd import DMDFlowScheduler  # imports diffusers
+
+            pipeline.pipe.scheduler = DMDFlowScheduler(defaults.dmd_timesteps, defaults.dmd_shift)
         if variant and ctx.rank == 0:
             logger.info("%s: %s card defaults %s", pipeline.family, variant, defaults)
         return pipeline
@@ -382,6 +391,17 @@ class WanFamily(DiffusersBatchPipeline):
             raise ValueError(f"num_frames must be 4k+1 in 1..{MAX_FRAMES} for {self.family}, got {params.num_frames}")
         if not 1 <= params.fps <= 120:
             raise ValueError(f"fps must be in 1..120, got {params.fps}")
+        dmd = self.defaults.dmd_timesteps
+        if dmd and params.num_inference_steps != len(dmd):
+            raise ValueError(
+                f"num_inference_steps must be {len(dmd)} for {self.variant}: it samples at the DMD timesteps {dmd}"
+                f", got {params.num_inference_steps}"
+            )
+        if dmd and params.guidance_scale > 1.0:
+            raise ValueError(
+                f"guidance_scale must be at most 1.0 for {self.variant}: DMD-distilled, it samples without"
+                f" classifier-free guidance, got {params.guidance_scale}"
+            )
         scale_2 = getattr(params, "guidance_scale_2", None)
         if scale_2 is not None:
             if not self.two_experts:
@@ -398,10 +418,18 @@ class WanFamily(DiffusersBatchPipeline):
             kwargs["guidance_scale_2"] = params.guidance_scale_2
         return kwargs
 
+    def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
+        args = super().call_args(items)
+        if self.defaults.dmd_timesteps:  # the DMD sampler's fresh noise: each request's own generator
+            self.pipe.scheduler.generators = args["generator"]
+        return args
+
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
         """One step at the card's size, one frame (the VAE's first frame), with the example image
         where the family needs one."""
         fields, uploads = super().health_request()
+        if self.defaults.dmd_timesteps:
+            fields["num_inference_steps"] = len(self.defaults.dmd_timesteps)
         return {**fields, "num_frames": 1}, uploads
 
     def generate(self, items: list[WorkItem], ctx) -> torch.Tensor:
@@ -431,17 +459,17 @@ class WanT2VPipeline(WanFamily):
         # Wan-AI cards: 50 steps, guidance 5, 81 frames at 16 fps; flow shift 3 at 480P, 5 at 720P
         "Wan2.1-T2V-1.3B": WanDefaults(width=832, height=480, num_frames=81, flow_shift=3.0),
         "Wan2.1-T2V-14B": WanDefaults(width=1280, height=720, num_frames=81, flow_shift=3.0, flow_shift_720p=5.0),
-        # FastVideo (FastWanT2V480PConfig): DMD + video sparse attention, 3 steps at 61 x 448 x 832,
-        # flow shift 8, no CFG
+        # FastVideo (FastWanT2V480PConfig): DMD at timesteps 1000/757/522 (shift 8) + video sparse
+        # attention, 61 x 448 x 832, no CFG
         "FastWan2.1-T2V-1.3B": WanDefaults(
             width=832,
             height=448,
             num_frames=61,
             steps=3,
             guidance=1.0,
-            flow_shift=8.0,
+            dmd_timesteps=DMD_TIMESTEPS,
+            dmd_shift=8.0,
             sparse_attention="video sparse attention (VSA)",
-            sampler_note="diffusers' UniPC runs the 3 steps, not FastVideo's DMD timesteps 1000/757/522",
         ),
         # TurboDiffusion (its profiles in FastVideo): rCM few-step distillation + SLA, 4 steps, no CFG
         "TurboWan2.1-T2V-1.3B": WanDefaults(

@@ -21,8 +21,10 @@ Defaults (Wan-AI cards): T2V A14B 1280 x 720, 81 frames at 16 fps, 40 steps, gui
 low noise); I2V A14B 1280 x 720 (``max_area`` of the image's aspect ratio), 81 frames, 40 steps, 3.5 /
 3.5; TI2V 5B 1280 x 704, 121 frames at 24 fps, 50 steps, guidance 5.0; the schedulers' own flow shift
 (12, 5, 5). FastVideo's sampling configs (``configs/sample/wan.py``) agree.
-Distilled releases: TurboWan2.2 I2V A14B (TurboDiffusion, 4 steps, no CFG, SLA) and FastWan2.2 TI2V
-5B Full Attn (FastVideo, 3 steps, no CFG, dense attention) — see ``WanDefaults``.
+Distilled releases: TurboWan2.2 I2V A14B (TurboDiffusion, 4 steps, no CFG, SLA: dense only behind
+``--allow-dense-attention-fallback``, and diffusers' scheduler instead of its rCM sampler) and
+FastWan2.2 TI2V 5B Full Attn (FastVideo's DMD sampling at 1000/757/522, ``wan_dmd``; dense attention
+as released).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 from tilecast.runtime.models.families import common, images, wan, wan_i2v
 from tilecast.runtime.models.families.common import TinyCheckpoint
 from tilecast.runtime.models.families.wan import WanDefaults, WanFamily, WanI2VParams
+from tilecast.runtime.models.families.wan_dmd import DMD_TIMESTEPS
 from tilecast.runtime.models.families.wan_i2v import WanI2VPipeline
 from tilecast.runtime.pipeline import WorkItem
 
@@ -139,8 +142,6 @@ TINY_WAN22_TI2V = TinyCheckpoint(
     name="tiny-wan2.2-ti2v-5b-v1", seed=20250804, build=build_tiny_wan22_ti2v, ref=f"{__name__}:TINY_WAN22_TI2V"
 )
 
-_FAST = "FastVideo's DMD timesteps 1000/757/522 (diffusers' scheduler runs its 3 steps instead)"
-
 
 class Wan22T2VPipeline(WanFamily):
     """Wan2.2 T2V A14B: two experts in one ``WanPipeline`` call."""
@@ -200,8 +201,15 @@ class Wan22TI2VPipeline(WanFamily):
     """Not the parallel decode: ``wan_decode`` splits Wan2.1's VAE, not Wan2.2's residual one."""
     variants = {
         "Wan2.2-TI2V-5B": WanDefaults(width=1280, height=704, num_frames=121, fps=24, steps=50, guidance=5.0),
-        "FastWan2.2-TI2V-5B-FullAttn": WanDefaults(
-            width=1280, height=704, num_frames=121, fps=24, steps=3, guidance=1.0, flow_shift=5.0, sampler_note=_FAST
+        "FastWan2.2-TI2V-5B-FullAttn": WanDefaults(  # FastVideo: DMD at 1000/757/522 (shift 5), dense attention
+            width=1280,
+            height=704,
+            num_frames=121,
+            fps=24,
+            steps=3,
+            guidance=1.0,
+            dmd_timesteps=DMD_TIMESTEPS,
+            dmd_shift=5.0,
         ),
     }
     fallback_variant = "Wan2.2-TI2V-5B"
