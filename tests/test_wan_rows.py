@@ -454,7 +454,7 @@ def test_sparse_attention_releases_need_the_dense_fallback(loaded, released, tmp
     assert "DENSE attention instead of its video sparse attention" in caplog.text
     p = pipe.prepare(pipe.params_type(prompt="x"), {})
     assert (p.width, p.height, p.num_frames, p.num_inference_steps, p.guidance_scale) == (832, 448, 61, 3, 1.0)
-    assert not pipe.guidance_on(p) and type(pipe.pipe.scheduler).__name__ == "DMDFlowScheduler"
+    assert not pipe.guidance_on(p) and pipe.pipe.scheduler.spec.kind == "dmd"
     turbo = released(Wan22I2VPipeline, "TurboWan2.2-I2V-A14B-720P")
     with pytest.raises(UnsupportedSettingError, match=r"SLA \(sparse-linear attention\)"):
         Wan22I2VPipeline.load(turbo, make_context(tmp_path, dtype="float32"))
@@ -544,7 +544,7 @@ def test_an_image_input_reference_to_a_text_to_video_server_is_a_400(tiny_cache,
     assert refused.value.param == "input_reference"
 
 
-# ---- FastWan: DMD sampling --------------------------------------------------------------------
+# ---- FastWan / TurboWan: few-step sampling --------------------------------------------------------------------
 
 
 def test_fastwan_samples_with_fastvideos_dmd_steps(loaded, released):
@@ -593,9 +593,60 @@ def test_fastwan_dmd_batches_and_refuses_other_steps_guidance_and_flow_shift(loa
     image = prepared(pipe, (FIRST,), seed=1)  # image-to-video through the same DMD steps
     assert (run(pipe, ctx, (image, (FIRST,)))[0] - alone).abs().max() > 0.01
     for fields, message in (
-        ({"num_inference_steps": 4}, "num_inference_steps must be 3 for FastWan2.2-TI2V-5B-FullAttn"),
+        ({"num_inference_steps": 4}, "num_inference_steps must be one of 3 for FastWan2.2-TI2V-5B-FullAttn"),
         ({"guidance_scale": 3.0}, "guidance_scale must be at most 1.0 for FastWan2.2-TI2V-5B-FullAttn"),
         ({"flow_shift": 3.0}, "flow_shift cannot be used by wan2.2-ti2v-5b"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             prepared(pipe, **fields)
+
+
+@pytest.mark.parametrize("steps", [4, 2])
+def test_turbowan_samples_with_turbodiffusions_rcm_steps(steps, loaded, released):
+    """Diffusers' WanPipeline driving the rCM scheduler equals TurboDiffusion's loop written out
+    (``wan2.1_t2v_infer.py``): TrigFlow times atan(80), 1.5, 1.4, 1.0 as rectified-flow levels, the
+    start noise scaled by the first, x0 from the flow prediction, noised again to the next level."""
+    import math
+
+    pipe, ctx = loaded(WanT2VPipeline, released(WanT2VPipeline, "TurboWan2.1-T2V-1.3B-480P"), **DENSE)
+    params = prepared(pipe, seed=13, num_inference_steps=steps)
+    assert pipe.prepare(pipe.params_type(prompt="x"), {}).num_inference_steps == 4
+    with torch.inference_mode():
+        ours = pipe.pipe(
+            **{**pipe.call_args([WorkItem(job_id="j", params=params)]), "output_type": "latent"}, return_dict=False
+        )[0]
+        generator = torch.Generator().manual_seed(13)
+        embeds, _ = pipe.pipe.encode_prompt(
+            params.prompt, do_classifier_free_guidance=False, max_sequence_length=pipe.max_sequence_length
+        )
+        times = torch.tensor([math.atan(80.0), *[1.5, 1.4, 1.0][: steps - 1], 0.0], dtype=torch.float64)
+        levels = torch.sin(times) / (torch.cos(times) + torch.sin(times))
+        x = torch.randn((1, 16, 2, 4, 4), generator=generator).double() * levels[0]
+        for t_cur, t_next in zip(levels[:-1], levels[1:]):
+            v = pipe.pipe.transformer(
+                hidden_states=x.float(),
+                timestep=(t_cur * 1000).float().reshape(1),
+                encoder_hidden_states=embeds,
+                return_dict=False,
+            )[0].double()
+            x0 = x - t_cur * v
+            x = (
+                x0
+                if t_next == 0
+                else (1 - t_next) * x0 + t_next * torch.randn(x.shape[1:], generator=generator).double()
+            )
+    assert (ours - x.float()).abs().max() <= 1e-5
+
+
+def test_turbowan22_i2v_switches_experts_at_the_boundary_and_refuses_five_steps(loaded, released):
+    pipe, ctx = loaded(Wan22I2VPipeline, released(Wan22I2VPipeline, "TurboWan2.2-I2V-A14B-720P"), **DENSE)
+    calls = _expert_calls(pipe)
+    params = prepared(pipe, (FIRST,), seed=2)
+    assert (params.num_inference_steps, params.guidance_scale, params.guidance_scale_2) == (4, 1.0, 1.0)
+    out = run(pipe, ctx, (params, (FIRST,)))[0]
+    # levels 0.99 0.93 | 0.85 0.61: TurboDiffusion's "t < 0.9" switch is diffusers' 1000 t < 900
+    assert (len(calls["transformer"]), len(calls["transformer_2"])) == (2, 2)
+    other = msgspec.structs.replace(params, prompt="another prompt", seed=3)
+    assert (run(pipe, ctx, (params, (FIRST,)), (other, (FIRST,)))[0] - out).abs().max() <= BATCH_TOL
+    with pytest.raises(ValueError, match=re.escape("num_inference_steps must be one of 1, 2, 3, 4")):
+        prepared(pipe, (FIRST,), num_inference_steps=5)

@@ -39,7 +39,7 @@ import torch
 from tilecast.runtime.config import UnsupportedSettingError
 from tilecast.runtime.models.families import common, flux, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
-from tilecast.runtime.models.families.wan_dmd import DMD_TIMESTEPS
+from tilecast.runtime.models.families.wan_fewstep import FewStep, dmd, rcm
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,8 @@ class WanDefaults:
     sparse_attention: str | None = None
     """The sparse attention the release was trained with and tilecast does not have (served with
     dense attention only behind ``--allow-dense-attention-fallback``)."""
-    sampler_note: str | None = None
-    """How the release samples where diffusers' call differs (logged at load)."""
-    dmd_timesteps: tuple[int, ...] | None = None
-    """FastVideo's DMD timesteps: the release samples with ``wan_dmd.DMDFlowScheduler`` (no CFG)."""
-    dmd_shift: float | None = None
-    """The flow shift of the DMD sampler's sigma table."""
+    few_step: FewStep | None = None
+    """A distilled release's sampler (``wan_fewstep``: FastVideo's DMD, TurboDiffusion's rCM; no CFG)."""
 
     def shift_for(self, width: int, height: int) -> float | None:
         """The card's flow shift for a ``width x height`` video (None: the scheduler's)."""
@@ -306,10 +302,10 @@ class WanFamily(DiffusersBatchPipeline):
         if defaults.max_images is not None:
             pipeline.max_images = defaults.max_images
         pipeline.expert_offload = install_expert_offload(pipeline.pipe, pipeline.family, ctx)
-        if defaults.dmd_timesteps:
-            from tilecast.runtime.models.families.wan_dmd import DMDFlowScheduler  # imports diffusers
+        if defaults.few_step is not None:
+            from tilecast.runtime.models.families.wan_fewstep import FewStepFlowScheduler
 
-            pipeline.pipe.scheduler = DMDFlowScheduler(defaults.dmd_timesteps, defaults.dmd_shift)
+            pipeline.pipe.scheduler = FewStepFlowScheduler(defaults.few_step)
         if variant and ctx.rank == 0:
             logger.info("%s: %s card defaults %s", pipeline.family, variant, defaults)
         return pipeline
@@ -336,8 +332,6 @@ class WanFamily(DiffusersBatchPipeline):
     def check_sparse_attention(cls, variant: str | None, defaults: WanDefaults, ctx) -> None:
         """A release trained with sparse attention runs dense only behind the explicit setting."""
         if defaults.sparse_attention is None:
-            if defaults.sampler_note and ctx.rank == 0:
-                logger.warning("%s: dense attention as released; sampling differs: %s", variant, defaults.sampler_note)
             return
         if not ctx.settings.allow_dense_attention_fallback:
             raise UnsupportedSettingError(
@@ -348,10 +342,9 @@ class WanFamily(DiffusersBatchPipeline):
         if ctx.rank == 0:
             logger.warning(
                 "%s: serving with DENSE attention instead of its %s (--allow-dense-attention-fallback): "
-                "the output differs from the release's%s",
+                "the output differs from the release's",
                 variant,
                 defaults.sparse_attention,
-                f"; {defaults.sampler_note}" if defaults.sampler_note else "",
             )
 
     # ---------------------------------------------------------------- requests
@@ -391,16 +384,16 @@ class WanFamily(DiffusersBatchPipeline):
             raise ValueError(f"num_frames must be 4k+1 in 1..{MAX_FRAMES} for {self.family}, got {params.num_frames}")
         if not 1 <= params.fps <= 120:
             raise ValueError(f"fps must be in 1..120, got {params.fps}")
-        dmd = self.defaults.dmd_timesteps
-        if dmd and params.num_inference_steps != len(dmd):
+        few_step = self.defaults.few_step
+        if few_step is not None and params.num_inference_steps not in few_step.step_counts:
             raise ValueError(
-                f"num_inference_steps must be {len(dmd)} for {self.variant}: it samples at the DMD timesteps {dmd}"
-                f", got {params.num_inference_steps}"
+                f"num_inference_steps must be one of {', '.join(map(str, few_step.step_counts))} for {self.variant}"
+                f" (it samples with {few_step.describe()}), got {params.num_inference_steps}"
             )
-        if dmd and params.guidance_scale > 1.0:
+        if few_step is not None and params.guidance_scale > 1.0:
             raise ValueError(
-                f"guidance_scale must be at most 1.0 for {self.variant}: DMD-distilled, it samples without"
-                f" classifier-free guidance, got {params.guidance_scale}"
+                f"guidance_scale must be at most 1.0 for {self.variant}: step-distilled ({few_step.describe()}),"
+                f" it samples without classifier-free guidance, got {params.guidance_scale}"
             )
         scale_2 = getattr(params, "guidance_scale_2", None)
         if scale_2 is not None:
@@ -420,16 +413,31 @@ class WanFamily(DiffusersBatchPipeline):
 
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
         args = super().call_args(items)
-        if self.defaults.dmd_timesteps:  # the DMD sampler's fresh noise: each request's own generator
-            self.pipe.scheduler.generators = args["generator"]
+        scheduler = self.pipe.scheduler
+        if self.defaults.few_step is not None:  # the sampler's fresh noise: each request's own generator
+            scheduler.generators = args["generator"]
+            if scheduler.initial_sigma != 1.0:  # rCM starts from scaled noise, drawn as diffusers would
+                args["latents"] = scheduler.initial_sigma * self.starting_noise(items[0].params, args["generator"])
         return args
+
+    def starting_noise(self, params, generators: list[torch.Generator]) -> torch.Tensor:
+        """``N(0, 1)`` latents, one row per generator, as diffusers' ``prepare_latents`` draws them."""
+        pipe = self.pipe
+        shape = (
+            pipe.vae.config.z_dim,
+            (params.num_frames - 1) // pipe.vae_scale_factor_temporal + 1,
+            params.height // pipe.vae_scale_factor_spatial,
+            params.width // pipe.vae_scale_factor_spatial,
+        )
+        rows = [torch.randn((1, *shape), generator=g, device=g.device, dtype=torch.float32) for g in generators]
+        return torch.cat(rows).to(self.device)
 
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
         """One step at the card's size, one frame (the VAE's first frame), with the example image
         where the family needs one."""
         fields, uploads = super().health_request()
-        if self.defaults.dmd_timesteps:
-            fields["num_inference_steps"] = len(self.defaults.dmd_timesteps)
+        if self.defaults.few_step is not None:
+            fields["num_inference_steps"] = self.defaults.few_step.step_counts[0]
         return {**fields, "num_frames": 1}, uploads
 
     def generate(self, items: list[WorkItem], ctx) -> torch.Tensor:
@@ -440,11 +448,10 @@ class WanFamily(DiffusersBatchPipeline):
                 self.expert_offload.idle()
 
 
-TURBO = dict(
-    sparse_attention="SLA (sparse-linear attention)",
-    sampler_note="diffusers' scheduler runs the steps, not TurboDiffusion's rCM sampler",
-)
-"""What TurboDiffusion's TurboWan releases use that diffusers' Wan pipelines do not."""
+TURBO_SLA = "SLA (sparse-linear attention)"
+"""The sparse attention TurboDiffusion's TurboWan releases were trained with."""
+TURBO_T2V = dict(few_step=rcm(sigma_max=80.0), sparse_attention=TURBO_SLA)
+"""TurboWan2.1 T2V's sampler and attention (``wan2.1_t2v_infer.py``)."""
 
 
 class WanT2VPipeline(WanFamily):
@@ -467,19 +474,15 @@ class WanT2VPipeline(WanFamily):
             num_frames=61,
             steps=3,
             guidance=1.0,
-            dmd_timesteps=DMD_TIMESTEPS,
-            dmd_shift=8.0,
+            few_step=dmd(shift=8.0),
             sparse_attention="video sparse attention (VSA)",
         ),
-        # TurboDiffusion (its profiles in FastVideo): rCM few-step distillation + SLA, 4 steps, no CFG
-        "TurboWan2.1-T2V-1.3B": WanDefaults(
-            width=832, height=480, num_frames=81, steps=4, guidance=1.0, flow_shift=3.0, **TURBO
-        ),
-        "TurboWan2.1-T2V-14B": WanDefaults(
-            width=832, height=480, num_frames=81, steps=4, guidance=1.0, flow_shift=5.0, **TURBO
-        ),
+        # TurboDiffusion (wan2.1_t2v_infer.py, its profiles in FastVideo): rCM, 4 steps from sigma_max
+        # 80, SLA (sparse-linear attention), no CFG
+        "TurboWan2.1-T2V-1.3B": WanDefaults(width=832, height=480, num_frames=81, steps=4, guidance=1.0, **TURBO_T2V),
+        "TurboWan2.1-T2V-14B": WanDefaults(width=832, height=480, num_frames=81, steps=4, guidance=1.0, **TURBO_T2V),
         "TurboWan2.1-T2V-14B-720P": WanDefaults(
-            width=1280, height=720, num_frames=81, steps=4, guidance=1.0, flow_shift=5.0, **TURBO
+            width=1280, height=720, num_frames=81, steps=4, guidance=1.0, **TURBO_T2V
         ),
     }
     fallback_variant = "Wan2.1-T2V-1.3B"

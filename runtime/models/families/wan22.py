@@ -21,10 +21,9 @@ Defaults (Wan-AI cards): T2V A14B 1280 x 720, 81 frames at 16 fps, 40 steps, gui
 low noise); I2V A14B 1280 x 720 (``max_area`` of the image's aspect ratio), 81 frames, 40 steps, 3.5 /
 3.5; TI2V 5B 1280 x 704, 121 frames at 24 fps, 50 steps, guidance 5.0; the schedulers' own flow shift
 (12, 5, 5). FastVideo's sampling configs (``configs/sample/wan.py``) agree.
-Distilled releases: TurboWan2.2 I2V A14B (TurboDiffusion, 4 steps, no CFG, SLA: dense only behind
-``--allow-dense-attention-fallback``, and diffusers' scheduler instead of its rCM sampler) and
-FastWan2.2 TI2V 5B Full Attn (FastVideo's DMD sampling at 1000/757/522, ``wan_dmd``; dense attention
-as released).
+Distilled releases (``wan_fewstep``): TurboWan2.2 I2V A14B (TurboDiffusion's rCM, 4 steps from
+sigma_max 200, no CFG; its SLA attention served dense only behind ``--allow-dense-attention-fallback``)
+and FastWan2.2 TI2V 5B Full Attn (FastVideo's DMD at 1000/757/522, no CFG; dense attention as released).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any
 from tilecast.runtime.models.families import common, images, wan, wan_i2v
 from tilecast.runtime.models.families.common import TinyCheckpoint
 from tilecast.runtime.models.families.wan import WanDefaults, WanFamily, WanI2VParams
-from tilecast.runtime.models.families.wan_dmd import DMD_TIMESTEPS
+from tilecast.runtime.models.families.wan_fewstep import dmd, rcm
 from tilecast.runtime.models.families.wan_i2v import WanI2VPipeline
 from tilecast.runtime.pipeline import WorkItem
 
@@ -166,8 +165,16 @@ class Wan22I2VPipeline(WanI2VPipeline):
     max_images = 1
     variants = {
         "Wan2.2-I2V-A14B": WanDefaults(width=1280, height=720, num_frames=81, steps=40, guidance=3.5, guidance_2=3.5),
+        # TurboDiffusion (wan2.2_i2v_infer.py): rCM from sigma_max 200, experts switched at 0.9, SLA
         "TurboWan2.2-I2V-A14B": WanDefaults(
-            width=1280, height=720, num_frames=81, steps=4, guidance=1.0, guidance_2=1.0, flow_shift=5.0, **wan.TURBO
+            width=1280,
+            height=720,
+            num_frames=81,
+            steps=4,
+            guidance=1.0,
+            guidance_2=1.0,
+            few_step=rcm(sigma_max=200.0),
+            sparse_attention=wan.TURBO_SLA,
         ),
     }
     fallback_variant = "Wan2.2-I2V-A14B"
@@ -208,8 +215,7 @@ class Wan22TI2VPipeline(WanFamily):
             fps=24,
             steps=3,
             guidance=1.0,
-            dmd_timesteps=DMD_TIMESTEPS,
-            dmd_shift=5.0,
+            few_step=dmd(shift=5.0),
         ),
     }
     fallback_variant = "Wan2.2-TI2V-5B"
