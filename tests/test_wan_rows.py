@@ -7,7 +7,8 @@ the size from the image's aspect ratio, which requests merge); both experts run,
 ``guidance_scale_2``, get the sequence-parallel plan and stay in host memory while idle under
 ``--cpu-offload-components``; TI2V runs text- and image-to-video, the latter equal to diffusers'
 ``WanImageToVideoPipeline`` called directly; sparse-attention releases need the dense fallback;
-an I2V server takes an image ``input_reference`` from the official openai SDK.
+an I2V server takes an image ``input_reference`` from the official openai SDK; FastWan's DMD and
+TurboWan's rCM sampling equal the releases' sampling loops written out.
 
 The tiny checkpoints stand in for the released ones: a copy of a tiny checkpoint's folder under a
 released name gets that release's defaults (the variant is read from the name), which is how the

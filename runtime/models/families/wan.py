@@ -20,6 +20,10 @@ TI2V 5B in ``wan22``; the distilled FastWan / TurboWan releases are variants of 
   ``guidance_scale_2`` is the low-noise expert's guidance, and ``--cpu-offload-components
   transformer_2`` (and/or ``transformer``) keeps an expert in host memory while it is idle
   (``ExpertOffload``);
+- the distilled releases sample as released (``wan_fewstep``: FastVideo's DMD for FastWan,
+  TurboDiffusion's rCM for TurboWan; no CFG); a release trained with a sparse attention tilecast
+  lacks (FastWan2.1's VSA, TurboWan's SLA) is refused at load unless
+  ``--allow-dense-attention-fallback`` serves it dense, with a warning;
 - with ``--vae-config.use-parallel-decode`` and a decode group of several ranks, the VAE decode is
   split by rows across the group (``wan_decode``).
 """
