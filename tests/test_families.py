@@ -4,8 +4,10 @@ A request's output inside a merged batch matches its singleton output within ``B
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
 Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7,
 FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
-Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio, ``tests/test_ltx2.py``): batch shape may change
-kernels, the seeds do not change.
+Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio (``tests/test_ltx2.py``), Wan2.1 I2V ~1.4e-6,
+Wan2.2 T2V A14B ~1.3e-6, Wan2.2 I2V A14B ~1.9e-6, Wan2.2 TI2V ~8e-7): batch shape may change kernels,
+the seeds do not change. Image-to-video families get their example input images (``example_uploads``),
+the same for every request of a batch.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``);
 so are Helios-Mid and -Distilled (``tests/test_hunyuan_helios.py`` says why).
@@ -58,15 +60,21 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
-    """A request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) and, for a video
-    family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
+    """A prepared request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) with the
+    family's example input images (``example_uploads``: an image-to-video family's first frame) and,
+    for a video family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
     side = max(32, getattr(pipe, "min_side", 32))
     fields.setdefault("width", side)
     fields.setdefault("height", side)
     if pipe.output_kind == "video":
         multiple, remainder = pipe.num_frames_rule
         fields.setdefault("num_frames", multiple + remainder)
-    return pipe.prepare(pipe.params_type(**fields), {})
+    return pipe.prepare(pipe.params_type(**fields), pipe.example_uploads())
+
+
+def work(pipe, job_id: str, params) -> WorkItem:
+    """A work item of ``params`` with the family's example input images."""
+    return WorkItem(job_id=job_id, params=params, uploads=pipe.example_uploads())
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -102,8 +110,8 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     pipe, ctx = loaded(name)
     a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True)
     b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True)
-    alone = pipe.run([WorkItem(job_id="alone", params=a)], ctx)[0]
-    items = [WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)]
+    alone = pipe.run([work(pipe, "alone", a)], ctx)[0]
+    items = [work(pipe, "a", a), work(pipe, "b", b)]
     size = min(len(items), pipe.max_batch_size)  # a singleton-only family (GLM-Image) runs them one by one
     pair = [out for start in range(0, len(items), size) for out in pipe.run(items[start : start + size], ctx)]
     kind = pipe.output_kind
@@ -147,7 +155,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
     pipe, ctx = loaded(name)
     cls = FAMILIES[name]
     params = params_for(pipe, prompt="a lighthouse at dusk", seed=5, num_inference_steps=2, return_tensor=True)
-    ours = pipe.run([WorkItem(job_id="ours", params=params)], ctx)[0].tensors[pipe.output_kind]
+    item = work(pipe, "ours", params)
+    ours = pipe.run([item], ctx)[0].tensors[pipe.output_kind]
 
     direct = getattr(diffusers, cls.diffusers_class).from_pretrained(str(cls.checkpoint.ensure(tiny_cache)))
     direct.set_progress_bar_config(disable=True)
@@ -176,6 +185,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["is_amplify_first_chunk"] = direct.config.is_distilled
     if hasattr(pipe, "card_kwargs"):  # a card's recipe where diffusers' defaults differ (LTX-2: fps, guidance terms)
         kwargs.update(pipe.card_kwargs(params))
+    if pipe.max_images and item.uploads:
+        kwargs.update(pipe.image_kwargs([item]))  # the input images as diffusers' public arguments
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape
@@ -658,8 +669,8 @@ def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded,
     ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
     params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True)
-    expected = eager.run([WorkItem(job_id="eager", params=params)], ctx)[0].tensors[eager.output_kind]
-    got = compiled.run([WorkItem(job_id="compiled", params=params)], ctx)[0].tensors[eager.output_kind]
+    expected = eager.run([work(eager, "eager", params)], ctx)[0].tensors[eager.output_kind]
+    got = compiled.run([work(compiled, "compiled", params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4
 
 

@@ -70,7 +70,7 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=96, height=224)
     if name == "tiny/ernie-image":  # one joint sequence: 4 x 3 image tokens (16 px each) + 61 text tokens, odd
         fields["width"] = 64
-    if name == "tiny/wan2.1-t2v":
+    if name.startswith("tiny/wan"):
         fields["num_frames"] = 1 if world == 2 else 5
     if name == "tiny/hunyuanvideo":  # 1 latent frame of 3 x 3 tokens on 2 ranks (9), 2 frames on 4 (18)
         fields["num_frames"] = 1 if world == 2 else 5
@@ -80,6 +80,8 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=32, height=32, num_frames=33, num_inference_steps=1)  # 1 step a stage: 6 forwards
     if name == "tiny/ltx-2":  # 32x VAE, 1x1 patches, 8x in time: 3 x 3 x 3 video tokens (27); audio whole
         fields.update(width=96, height=96, num_frames=17)
+    if name == "tiny/wan2.2-ti2v-5b":  # 16x VAE, 2x2 patches: 3 x 1 tokens per latent frame (3, or 6 on 4 ranks)
+        fields.update(width=96, height=32)
     return fields
 
 
@@ -103,8 +105,12 @@ def _context(rank: int, world_size: int, output_dir, groups, ulysses: int = 1, r
 def _generate(pipeline, ctx, requests: list[dict], fields: dict) -> list[torch.Tensor]:
     from tilecast.runtime.pipeline import WorkItem
 
-    items = [
-        WorkItem(job_id=f"j{i}", params=pipeline.prepare(pipeline.params_type(**request, **fields), {}))
+    items = [  # an image-to-video family gets its example first frame (``example_uploads``)
+        WorkItem(
+            job_id=f"j{i}",
+            params=pipeline.prepare(pipeline.params_type(**request, **fields), pipeline.example_uploads()),
+            uploads=pipeline.example_uploads(),
+        )
         for i, request in enumerate(requests)
     ]
     size = pipeline.max_batch_size  # a singleton-only family (Helios' pyramid) runs them one by one
@@ -320,6 +326,10 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/qwen-image": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
+        "tiny/wan2.1-i2v-14b-480p": "hidden_states",
+        "tiny/wan2.2-t2v-a14b": "hidden_states",
+        "tiny/wan2.2-i2v-a14b": "hidden_states",
+        "tiny/wan2.2-ti2v-5b": "hidden_states",
         "tiny/sana-1.5-1.6b": "hidden_states",
         "tiny/flux.2-dev": "hidden_states",
         "tiny/flux.2-klein-4b": "hidden_states",

@@ -192,13 +192,24 @@ class TinyCheckpoint:
     ref: str
     """Where this object lives (``"module:NAME"``): a child interpreter imports it from there to build
     it where this process's ``save_pretrained`` would skip weights (``runtime/cache.py``)."""
+    index_classes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """``model_index.json`` entries written as the released checkpoint names them where the saved
+    object's class differs (transformers' ``CLIPImageProcessorPil`` fallback saves itself under its
+    own name; released Wan I2V checkpoints say ``CLIPImageProcessor``)."""
 
     def write(self, target: Path) -> Path:
         """Build and ``save_pretrained`` into ``target`` (which must not exist yet)."""
+        import json
+
         with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             pipe = self.build()
         pipe.save_pretrained(str(target), safe_serialization=True)
+        if self.index_classes:
+            index_path = target / "model_index.json"
+            index = json.loads(index_path.read_text())
+            index.update(self.index_classes)
+            index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return target
 
     def ensure(self, cache_dir: Path | None = None) -> Path:
@@ -401,9 +412,12 @@ class DiffusersBatchPipeline(Pipeline):
         return local_dir(model_path)
 
     @classmethod
-    def build_diffusers(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    def build_diffusers(
+        cls, model_path: str, device: torch.device, dtype: torch.dtype, host_components: tuple[str, ...] = ()
+    ) -> Any:
         """The diffusers pipeline object on ``device`` in ``dtype``: what ``load`` wraps, and what
-        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks)."""
+        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks).
+        ``host_components`` stay in host memory (the family offloads them: ``load_options``)."""
         import diffusers
 
         path = cls.resolve_path(model_path)
@@ -413,10 +427,21 @@ class DiffusersBatchPipeline(Pipeline):
         )
         if own:
             pipe.register_modules(**own)
-        pipe.to(device)
+        if host_components:  # never on the device at once: what does not fit there together stays out
+            for name, component in pipe.components.items():
+                if isinstance(component, torch.nn.Module) and name not in host_components:
+                    component.to(device)
+        else:
+            pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, device)
         return pipe
+
+    @classmethod
+    def load_options(cls, ctx: RankContext) -> dict[str, Any]:
+        """Extra ``build_diffusers`` arguments from the run's settings. Default: none; the Wan
+        families keep their CPU-offloaded experts in host memory from the start (``host_components``)."""
+        return {}
 
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
@@ -440,7 +465,9 @@ class DiffusersBatchPipeline(Pipeline):
             raise UnsupportedSettingError(
                 "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
             )
-        pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
+        pipe = cls.build_diffusers(
+            model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype), **cls.load_options(ctx)
+        )
         if ctx.settings.lora_enabled and not hasattr(pipe, "load_lora_weights"):
             raise UnsupportedSettingError(
                 f"--lora-path / --lora-dir: diffusers' {cls.diffusers_class} loads no LoRA adapters"
@@ -597,8 +624,9 @@ class DiffusersBatchPipeline(Pipeline):
         return {"image": [images.load_images(item.uploads)[0] for item in items]}
 
     def pipe_for(self, items: list[WorkItem]) -> Any:
-        """The diffusers pipeline object that runs this batch: ``self.pipe``; LTX-2 runs batches with
-        an input image through its image-to-video pipeline over the same components."""
+        """The diffusers pipeline object that runs this batch: ``self.pipe``. A family whose requests
+        take one of two diffusers calls over the same components (LTX-2 and Wan2.2 TI2V: a batch with
+        an input image runs their image-to-video pipeline) picks here."""
         return self.pipe
 
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
@@ -651,9 +679,16 @@ class DiffusersBatchPipeline(Pipeline):
         a family whose pipeline runs several rounds of steps (Helios' chunks and stages) says so."""
         return params.num_inference_steps
 
+    def example_uploads(self) -> dict[str, bytes]:
+        """The uploads of a smallest valid request (the health check, the registry-driven tests):
+        none, or ``min_images`` example images (``images.example_image``)."""
+        if not self.min_images:
+            return {}
+        return {name: images.example_image() for name in images.upload_names(self.min_images)}
+
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """One denoising step at the request defaults' size."""
-        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, {}
+        """One denoising step at the request defaults' size (with ``example_uploads``)."""
+        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, self.example_uploads()
 
     def use_lora(self, params) -> None:
         """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/

@@ -119,6 +119,21 @@ def png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
+def example_image(width: int = 48, height: int = 32) -> bytes:
+    """A deterministic RGB gradient PNG (the health check's and the tests' input image)."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [
+            (x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), 128)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
+    return png_bytes(image)
+
+
 def load_images(uploads: dict[str, bytes]) -> list:
     """On a rank: the request's checked input images as RGB ``PIL.Image`` objects, in order."""
     from PIL import Image
