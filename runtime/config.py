@@ -122,6 +122,10 @@ class ServeConfig:
     quantize: str | None = setting(None, section="performance", choices=QUANTIZE_MODES, pipeline=True)
     """``fp8``: FP8 weights and activations in the DiT blocks' linear layers (FLUX; opt-in: faster,
     and the output moves by a few percent). Unset: the model's dtype throughout."""
+    allow_dense_attention_fallback: bool = setting(False, section="performance", pipeline=True)
+    """Serve a checkpoint released with a sparse attention tilecast lacks (FastWan's video sparse
+    attention, TurboWan's SLA) with dense attention instead, with a warning in the log: the output
+    differs from the release's. Unset: such a checkpoint is refused at load, naming the attention."""
     cuda_graphs: bool = setting(False, section="performance", pipeline=True)
     """Replay the DiT's forward as CUDA graphs, one per batch shape (FLUX; CUDA only): each step is
     then one launch, so its time no longer depends on how fast the host issues kernels."""

@@ -63,7 +63,7 @@ OFFLOAD_COMPONENT_CHOICES: tuple[str, ...] = (
     "transformer latent_upscaler",
     "vae latent_upscaler",
 )
-_COMPONENT_ORDER = ("transformer", "vae", "latent_upscaler")
+_COMPONENT_ORDER = ("transformer", "transformer_2", "vae", "latent_upscaler")
 SCALE_CHOICES: tuple[str, ...] = ("2", "4", "2.25")
 TILE_BATCH_CHOICES: tuple[str, ...] = ("1", "2")
 GPUS_PER_NODE_RANGE = (1, 8)

@@ -63,7 +63,10 @@ from tilecast.runtime.picker import PREFETCH_RANGE, RESIDENT_LAYERS_RANGE, norma
 logger = logging.getLogger(__name__)
 
 COMPONENTS: tuple[str, ...] = ("transformer", "vae", "latent_upscaler")
-"""Components that can be offloaded (``all`` selects every one)."""
+"""Components ``all`` selects (Kandinsky 6 SR's)."""
+NAMED_COMPONENTS: tuple[str, ...] = (*COMPONENTS, "transformer_2")
+"""Components that can be named: also Wan2.2 A14B's low-noise expert ``transformer_2`` (the Wan
+families offload their experts, ``families.wan.ExpertOffload``; a pipeline without one refuses it)."""
 STREAM_PREFETCH = 1
 """Groups prefetched ahead for the VAE and latent upscaler (the prefetch flag is the DiT's)."""
 FLAG_LAYERWISE = "--layerwise-offload-components"
@@ -85,11 +88,11 @@ def parse_components(value: str | tuple[str, ...] | list[str] | None, flag: str)
     names = normalize_offload_components(text).split()
     if names == ["all"]:
         return COMPONENTS
-    unknown = [name for name in names if name not in COMPONENTS]
+    unknown = [name for name in names if name not in NAMED_COMPONENTS]
     if unknown or len(set(names)) != len(names):
         problem = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a component is repeated"
         raise ValueError(
-            f"{flag} {text!r}: {problem}; give all, or one or more of {', '.join(COMPONENTS)} "
+            f"{flag} {text!r}: {problem}; give all, or one or more of {', '.join(NAMED_COMPONENTS)} "
             f"(space or comma separated)"
         )
     return tuple(names)
@@ -546,6 +549,8 @@ def apply_placement(parts, ctx) -> AppliedPlacement:
     device = torch.device(parts.device)
     modules = {"transformer": parts.transformer, "vae": parts.vae, "latent_upscaler": parts.latent_upscaler}
     for name in config.offloaded:
+        if name not in modules:
+            raise ValueError(f"{name}: Kandinsky 6 SR has no {name} to offload (give {', '.join(modules)})")
         if modules[name] is None and ctx.rank == 0:
             logger.warning("%s: the checkpoint has no %s; nothing to offload", name, name)
 

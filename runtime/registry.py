@@ -50,6 +50,10 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.helios:HeliosT2VPipeline",
     "tilecast.runtime.models.families.helios:HeliosPyramidT2VPipeline",
     "tilecast.runtime.models.families.ltx2:LTX2T2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22T2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22TI2VPipeline",
+    "tilecast.runtime.models.families.wan_i2v:WanI2VPipeline",
+    "tilecast.runtime.models.families.wan22:Wan22I2VPipeline",
     "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where several declare the same diffusers class (FLUX's

@@ -1116,10 +1116,16 @@ class HttpApi:
         if request is None:
             return 501, {"status": "unsupported", "detail": "this model has no health generation request"}
         fields, uploads = request
+        # uploads ``image.0``, ``image.1``, ... (an image-to-video model's example frame) go as the
+        # client's ``image`` list, which names them so again; other uploads (K6 SR's ``video``) by name
+        frames = sorted((name for name in uploads if name.startswith("image.")), key=lambda n: int(n.split(".")[1]))
+        named = {name: data for name, data in uploads.items() if name not in frames}
         began = time.monotonic()
         job_id = None
         try:
-            job_id = await self._submit({**fields, **uploads})
+            job_id = await self._submit(
+                {**fields, **named, **({"image": [uploads[n] for n in frames]} if frames else {})}
+            )
             result = await asyncio.wait_for(
                 self.client.result(job_id, wait=True, as_paths=True), HEALTH_GENERATE_TIMEOUT_S
             )

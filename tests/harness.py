@@ -73,15 +73,6 @@ def skip_without_required_modules(cls) -> None:
         pytest.skip(f"{cls.__name__} needs {', '.join(missing)} ({'; '.join(missing.values())}): {why}")
 
 
-def sample_uploads(pipe) -> dict[str, bytes]:
-    """The uploads of a family test's request: ``pipe.sample_images()`` as ``image.0``, ... (none for
-    text-to-image / text-to-video families)."""
-    from tilecast.runtime.models.families import images
-
-    pictures = pipe.sample_images() if hasattr(pipe, "sample_images") else []
-    return dict(zip(images.upload_names(len(pictures)), pictures))
-
-
 def make_context(
     output_dir: str | Path = ".",
     *,

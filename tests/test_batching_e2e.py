@@ -18,8 +18,8 @@ from tests.harness import skip_without_required_modules
 from tilecast.client import Client, JobFailedError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
-from tilecast.runtime.models.families import images
 from tilecast.runtime.models.families.flux import TINY_FLUX
+from tilecast.runtime.models.families.images import example_image
 from tilecast.runtime.registry import resolve_pipeline
 
 BATCH_TOL = 1e-4
@@ -142,10 +142,15 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
         ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
         ("tiny/ltx-2", {"width": 64, "height": 64, "num_frames": 9, "num_inference_steps": 2}, "video/mp4"),
+        ("tiny/wan2.1-i2v-14b-480p", {"num_frames": 5, "image": example_image()}, "video/mp4"),
+        ("tiny/wan2.2-t2v-a14b", {"num_frames": 5}, "video/mp4"),
+        ("tiny/wan2.2-i2v-a14b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
+        ("tiny/wan2.2-ti2v-5b", {"num_frames": 5}, "video/mp4"),
+        ("tiny/wan2.2-ti2v-5b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
         # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 gives NaN on
         # Qwen-Image's schedule). Edit Plus serves one request per call.
-        ("tiny/qwen-image-edit", {"image": images.sample_png(48, 32), "num_inference_steps": 2}, "image/png"),
-        ("tiny/qwen-image-edit-2511", {"image": images.sample_png(48, 32), "num_inference_steps": 2}, "image/png"),
+        ("tiny/qwen-image-edit", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
+        ("tiny/qwen-image-edit-2511", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):

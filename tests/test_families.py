@@ -4,16 +4,17 @@ A request's output inside a merged batch matches its singleton output within ``B
 (fp32, max abs difference on the ``[0, 1]`` output; measured: FLUX ~2e-6, Qwen-Image ~8e-7,
 Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e-6, SANA ~4e-7,
 FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
-Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio, ``tests/test_ltx2.py``,
-Qwen-Image-Edit ~8e-7): batch shape may change
-kernels, the seeds do not change.
+Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio (``tests/test_ltx2.py``), Wan2.1 I2V ~1.4e-6,
+Wan2.2 T2V A14B ~1.3e-6, Wan2.2 I2V A14B ~1.9e-6, Wan2.2 TI2V ~8e-7,
+Qwen-Image-Edit ~8e-7): batch shape may change kernels,
+the seeds do not change. Image-to-video families get their example input images (``example_uploads``),
+the same for every request of a batch.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
 batch changes every request's picture (``test_glm_image_serves_singletons_because_merging_changes_each_request``);
 so are Helios-Mid and -Distilled (``tests/test_hunyuan_helios.py`` says why) and Edit Plus, whose
 diffusers pipeline takes one prompt per call (``tests/test_image_edit.py``).
-
-Image-to-image families get their ``sample_images()`` as input; a family whose ``required_modules``
-cannot be imported (the Qwen image-edit families without torchvision) is skipped, saying why.
+A family whose ``required_modules`` cannot be imported (the Qwen image-edit families without
+torchvision) is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.harness import make_context, sample_uploads, skip_without_required_modules, tiny_families
+from tests.harness import make_context, skip_without_required_modules, tiny_families
 from tilecast.runtime.models.families.common import T2IParams, T2VParams
 from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, ErnieImageTurboT2IPipeline
 from tilecast.runtime.models.families.flux import TINY_FLUX
@@ -63,20 +64,21 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
-    """A request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) and, for a video
-    family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
+    """A prepared request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) with the
+    family's example input images (``example_uploads``: an image-to-video family's first frame) and,
+    for a video family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
     side = max(32, getattr(pipe, "min_side", 32))
     fields.setdefault("width", side)
     fields.setdefault("height", side)
     if pipe.output_kind == "video":
         multiple, remainder = pipe.num_frames_rule
         fields.setdefault("num_frames", multiple + remainder)
-    return pipe.prepare(pipe.params_type(**fields), sample_uploads(pipe))
+    return pipe.prepare(pipe.params_type(**fields), pipe.example_uploads())
 
 
 def work(pipe, job_id: str, params) -> WorkItem:
-    """A ``WorkItem`` with the family's sample input images (an image-to-image family; none otherwise)."""
-    return WorkItem(job_id=job_id, params=params, uploads=sample_uploads(pipe))
+    """A work item of ``params`` with the family's example input images."""
+    return WorkItem(job_id=job_id, params=params, uploads=pipe.example_uploads())
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -112,8 +114,9 @@ def test_builtin_name_and_checkpoint_directory_route_to_the_family(name, tiny_ca
 def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     skip_without_required_modules(FAMILIES[name])
     pipe, ctx = loaded(name)
-    # An image-to-image family runs 2 steps, not its card's (50 on Qwen-Image-Edit): each run also encodes its input.
-    steps = dict(num_inference_steps=2) if pipe.min_images else {}
+    # An image-to-image family runs 2 steps, not its card's (50 on Qwen-Image-Edit): each run also
+    # encodes its input image at about 1024 x 1024 pixels.
+    steps = dict(num_inference_steps=2) if pipe.task == "i2i" else {}
     a = params_for(pipe, prompt="a red cat on a mat", seed=1, return_tensor=True, **steps)
     b = params_for(pipe, prompt="a blue dog, much longer prompt than the first", seed=2, return_tensor=True, **steps)
     alone = pipe.run([work(pipe, "alone", a)], ctx)[0]
@@ -158,8 +161,6 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
 
     import diffusers
 
-    from tilecast.runtime.models.families import images
-
     cls = FAMILIES[name]
     skip_without_required_modules(cls)
     pipe, ctx = loaded(name)
@@ -194,9 +195,8 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
         kwargs["is_amplify_first_chunk"] = direct.config.is_distilled
     if hasattr(pipe, "card_kwargs"):  # a card's recipe where diffusers' defaults differ (LTX-2: fps, guidance terms)
         kwargs.update(pipe.card_kwargs(params))
-    if item.uploads:  # an image-to-image family: its input images as diffusers' load_image gives them
-        pictures = images.load_images(item.uploads)
-        kwargs["image"] = pictures[0] if len(pictures) == 1 else pictures
+    if pipe.max_images and item.uploads:
+        kwargs.update(pipe.image_kwargs([item]))  # the input images as diffusers' public arguments
     with torch.inference_mode():
         theirs = direct(**kwargs, return_dict=False)[0][0].float()
     assert ours.shape == theirs.shape
@@ -679,10 +679,10 @@ def test_compile_compiles_the_repeated_blocks_and_keeps_the_output(name, loaded,
         m for m in compiled.pipe.transformer.modules() if type(m).__name__ in compiled.pipe.transformer._repeated_blocks
     ]
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
-    steps = dict(num_inference_steps=2) if eager.min_images else {}  # as in the batch test
+    steps = dict(num_inference_steps=2) if eager.task == "i2i" else {}  # as in the batch test
     params = params_for(eager, prompt="a quiet harbour", seed=4, return_tensor=True, **steps)
     expected = eager.run([work(eager, "eager", params)], ctx)[0].tensors[eager.output_kind]
-    got = compiled.run([work(eager, "compiled", params)], ctx)[0].tensors[eager.output_kind]
+    got = compiled.run([work(compiled, "compiled", params)], ctx)[0].tensors[eager.output_kind]
     assert (got - expected).abs().max().item() <= 1e-4
 
 

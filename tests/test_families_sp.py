@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.distributed import one_thread, run_ranks
-from tests.harness import sample_uploads, skip_without_required_modules, tiny_families
+from tests.harness import skip_without_required_modules, tiny_families
 from tilecast.runtime.models.families.sequence_parallel import resolve_plan, stream_input
 from tilecast.runtime.models.families.z_image import ZImageT2IPipeline
 
@@ -70,7 +70,7 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=96, height=224)
     if name == "tiny/ernie-image":  # one joint sequence: 4 x 3 image tokens (16 px each) + 61 text tokens, odd
         fields["width"] = 64
-    if name == "tiny/wan2.1-t2v":
+    if name.startswith("tiny/wan"):
         fields["num_frames"] = 1 if world == 2 else 5
     if name == "tiny/hunyuanvideo":  # 1 latent frame of 3 x 3 tokens on 2 ranks (9), 2 frames on 4 (18)
         fields["num_frames"] = 1 if world == 2 else 5
@@ -80,6 +80,8 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=32, height=32, num_frames=33, num_inference_steps=1)  # 1 step a stage: 6 forwards
     if name == "tiny/ltx-2":  # 32x VAE, 1x1 patches, 8x in time: 3 x 3 x 3 video tokens (27); audio whole
         fields.update(width=96, height=96, num_frames=17)
+    if name == "tiny/wan2.2-ti2v-5b":  # 16x VAE, 2x2 patches: 3 x 1 tokens per latent frame (3, or 6 on 4 ranks)
+        fields.update(width=96, height=32)
     return fields
 
 
@@ -103,11 +105,14 @@ def _context(rank: int, world_size: int, output_dir, groups, ulysses: int = 1, r
 def _generate(pipeline, ctx, requests: list[dict], fields: dict) -> list[torch.Tensor]:
     from tilecast.runtime.pipeline import WorkItem
 
-    items = []
-    for i, request in enumerate(requests):
-        uploads = sample_uploads(pipeline)  # an image-to-image family's input images
-        params = pipeline.prepare(pipeline.params_type(**request, **fields), uploads)
-        items.append(WorkItem(job_id=f"j{i}", params=params, uploads=uploads))
+    items = [  # an image-to-video family gets its example first frame (``example_uploads``)
+        WorkItem(
+            job_id=f"j{i}",
+            params=pipeline.prepare(pipeline.params_type(**request, **fields), pipeline.example_uploads()),
+            uploads=pipeline.example_uploads(),
+        )
+        for i, request in enumerate(requests)
+    ]
     size = pipeline.max_batch_size  # a singleton-only family (Edit Plus, Helios' pyramid) runs them one by one
     return [out for start in range(0, len(items), size) for out in pipeline.generate(items[start : start + size], ctx)]
 
@@ -188,8 +193,12 @@ def _references(name: str, cache_dir, output_dir, fields) -> tuple[list[torch.Te
             ),
             with_kwargs=True,
         )
-        outputs = [_generate(pipeline, ctx, [request], fields)[0] for request in REQUESTS]
-    return outputs, calls, queries
+        outputs, firsts = [], []
+        for request in REQUESTS:
+            seen = len(queries)
+            outputs.append(_generate(pipeline, ctx, [request], fields)[0])
+            firsts.append(queries[seen])  # the first split layer's tokens in this request's first call
+    return outputs, calls, firsts
 
 
 _REFERENCE_CACHE: dict = {}
@@ -232,7 +241,10 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         # it gets on one rank, and no attention kernel call gets more than 1/N of the (query tokens x
         # heads) of the largest one-rank call (Ulysses: every token, 1/U of the heads; Ring: 1/R of
         # the tokens, every head), padding aside.
-        full = max(ref_queries)  # ERNIE-Image's joint [image, text] sequence: the batch's longest prompt sets it
+        # a merged batch pads to its longest request (ERNIE-Image's joint [image, text] sequence);
+        # a family served one request at a time (Helios' pyramid) starts with the first request alone
+        merged = _pipeline_class(name).max_batch_size >= len(REQUESTS)
+        full = max(ref_queries) if merged else ref_queries[0]
         assert result["layer_queries"][0] == -(-full // world), (rank, result["layer_queries"][0], full)
         heads = result["heads"]
         work = max(s * h for _b, s, h, _d in result["kernel_queries"])
@@ -317,6 +329,10 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/qwen-image-edit-2511": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
+        "tiny/wan2.1-i2v-14b-480p": "hidden_states",
+        "tiny/wan2.2-t2v-a14b": "hidden_states",
+        "tiny/wan2.2-i2v-a14b": "hidden_states",
+        "tiny/wan2.2-ti2v-5b": "hidden_states",
         "tiny/sana-1.5-1.6b": "hidden_states",
         "tiny/flux.2-dev": "hidden_states",
         "tiny/flux.2-klein-4b": "hidden_states",

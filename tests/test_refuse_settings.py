@@ -36,6 +36,8 @@ from tilecast.runtime.models.families.qwen_image_edit import QwenImageEditI2IPip
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
+from tilecast.runtime.models.families.wan22 import Wan22I2VPipeline, Wan22T2VPipeline, Wan22TI2VPipeline
+from tilecast.runtime.models.families.wan_i2v import WanI2VPipeline
 from tilecast.runtime.models.families.z_image import ZImageBaseT2IPipeline, ZImageT2IPipeline
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 
@@ -48,6 +50,10 @@ PIPELINES = {
     "tiny/z-image-turbo": ZImageT2IPipeline,
     "tiny/z-image": ZImageBaseT2IPipeline,
     "tiny/wan2.1-t2v": WanT2VPipeline,
+    "tiny/wan2.1-i2v-14b-480p": WanI2VPipeline,
+    "tiny/wan2.2-t2v-a14b": Wan22T2VPipeline,
+    "tiny/wan2.2-i2v-a14b": Wan22I2VPipeline,
+    "tiny/wan2.2-ti2v-5b": Wan22TI2VPipeline,
     "tiny/sd3": SD3T2IPipeline,
     "tiny/glm-image": GlmImageT2IPipeline,
     "tiny/sana-1.5-1.6b": SanaT2IPipeline,
@@ -87,6 +93,10 @@ SAMPLES = {  # a valid value other than the default, and the flags it needs besi
     "use_fsdp_inference": ({"use_fsdp_inference": True, "num_gpus": 2}, "--use-fsdp-inference"),
     "attention_backend": ({"attention_backend": "sdpa_math"}, "--attention-backend sdpa_math"),
     "compile": ({"compile": True}, "--compile"),
+    "allow_dense_attention_fallback": (
+        {"allow_dense_attention_fallback": True},
+        "--allow-dense-attention-fallback",
+    ),
     "quantize": ({"quantize": "fp8"}, "--quantize fp8"),
     "cuda_graphs": ({"cuda_graphs": True, "device": "cuda"}, "--cuda-graphs"),
     "allowed_video_dirs": ({"allowed_video_dirs": ("/data",)}, "--allowed-video-dir /data"),

@@ -192,13 +192,24 @@ class TinyCheckpoint:
     ref: str
     """Where this object lives (``"module:NAME"``): a child interpreter imports it from there to build
     it where this process's ``save_pretrained`` would skip weights (``runtime/cache.py``)."""
+    index_classes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """``model_index.json`` entries written as the released checkpoint names them where the saved
+    object's class differs (transformers' ``CLIPImageProcessorPil`` fallback saves itself under its
+    own name; released Wan I2V checkpoints say ``CLIPImageProcessor``)."""
 
     def write(self, target: Path) -> Path:
         """Build and ``save_pretrained`` into ``target`` (which must not exist yet)."""
+        import json
+
         with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             pipe = self.build()
         pipe.save_pretrained(str(target), safe_serialization=True)
+        if self.index_classes:
+            index_path = target / "model_index.json"
+            index = json.loads(index_path.read_text())
+            index.update(self.index_classes)
+            index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return target
 
     def ensure(self, cache_dir: Path | None = None) -> Path:
@@ -430,9 +441,12 @@ class DiffusersBatchPipeline(Pipeline):
         return local_dir(model_path)
 
     @classmethod
-    def build_diffusers(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    def build_diffusers(
+        cls, model_path: str, device: torch.device, dtype: torch.dtype, host_components: tuple[str, ...] = ()
+    ) -> Any:
         """The diffusers pipeline object on ``device`` in ``dtype``: what ``load`` wraps, and what
-        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks)."""
+        ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks).
+        ``host_components`` stay in host memory (the family offloads them: ``load_options``)."""
         import diffusers
 
         path = cls.resolve_path(model_path)
@@ -442,10 +456,21 @@ class DiffusersBatchPipeline(Pipeline):
         )
         if own:
             pipe.register_modules(**own)
-        pipe.to(device)
+        if host_components:  # never on the device at once: what does not fit there together stays out
+            for name, component in pipe.components.items():
+                if isinstance(component, torch.nn.Module) and name not in host_components:
+                    component.to(device)
+        else:
+            pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info("loaded %s from %s (%s, %s)", cls.diffusers_class, path, dtype, device)
         return pipe
+
+    @classmethod
+    def load_options(cls, ctx: RankContext) -> dict[str, Any]:
+        """Extra ``build_diffusers`` arguments from the run's settings. Default: none; the Wan
+        families keep their CPU-offloaded experts in host memory from the start (``host_components``)."""
+        return {}
 
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
@@ -470,7 +495,9 @@ class DiffusersBatchPipeline(Pipeline):
             raise UnsupportedSettingError(
                 "--lora-path / --lora-dir need peft (diffusers loads adapters through it): pip install 'tilecast[lora]'"
             )
-        pipe = cls.build_diffusers(model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype))
+        pipe = cls.build_diffusers(
+            model_path, ctx.device, getattr(torch, ctx.settings.resolved_dtype), **cls.load_options(ctx)
+        )
         if ctx.settings.lora_enabled and not hasattr(pipe, "load_lora_weights"):
             raise UnsupportedSettingError(
                 f"--lora-path / --lora-dir: diffusers' {cls.diffusers_class} loads no LoRA adapters"
@@ -627,8 +654,9 @@ class DiffusersBatchPipeline(Pipeline):
         return {"image": [images.load_images(item.uploads)[0] for item in items]}
 
     def pipe_for(self, items: list[WorkItem]) -> Any:
-        """The diffusers pipeline object that runs this batch: ``self.pipe``; LTX-2 runs batches with
-        an input image through its image-to-video pipeline over the same components."""
+        """The diffusers pipeline object that runs this batch: ``self.pipe``. A family whose requests
+        take one of two diffusers calls over the same components (LTX-2 and Wan2.2 TI2V: a batch with
+        an input image runs their image-to-video pipeline) picks here."""
         return self.pipe
 
     def call_args(self, items: list[WorkItem]) -> dict[str, Any]:
@@ -681,15 +709,16 @@ class DiffusersBatchPipeline(Pipeline):
         a family whose pipeline runs several rounds of steps (Helios' chunks and stages) says so."""
         return params.num_inference_steps
 
-    def sample_images(self) -> list[bytes]:
-        """``min_images`` small deterministic input pictures (PNG): what ``health_request`` sends to an
-        image-to-image family, and the input of the family tests' requests. None for T2I / T2V."""
-        return [images.sample_png(48, 32, seed=index) for index in range(self.min_images)]
+    def example_uploads(self) -> dict[str, bytes]:
+        """The uploads of a smallest valid request (the health check, the registry-driven tests):
+        none, or ``min_images`` example images (``images.example_image``)."""
+        if not self.min_images:
+            return {}
+        return {name: images.example_image() for name in images.upload_names(self.min_images)}
 
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """One denoising step at the request defaults' size (an image-to-image family: on ``sample_images``)."""
-        uploads = {"image": self.sample_images()} if self.min_images else {}
-        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, uploads
+        """One denoising step at the request defaults' size (with ``example_uploads``)."""
+        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, self.example_uploads()
 
     def use_lora(self, params) -> None:
         """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/
@@ -735,7 +764,10 @@ class DiffusersBatchPipeline(Pipeline):
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
         over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on
         every rank. A batch whose jobs were all cancelled stops at the next step, or before writing (``cancel_point``)."""
-        outputs_BX, audio_BCS = self.generate_outputs(items, ctx)
+        # ``generate`` is what families override (Helios trims its chunks, GLM-Image beats its AR stage)
+        outputs_BX, audio_BCS = (
+            self.generate_outputs(items, ctx) if self.output_audio else (self.generate(items, ctx), None)
+        )
         ctx.cancel_point()
         if outputs_BX.shape[0] != len(items):
             raise RuntimeError(

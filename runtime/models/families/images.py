@@ -119,26 +119,23 @@ def png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
+def example_image(width: int = 48, height: int = 32) -> bytes:
+    """A deterministic RGB gradient PNG (the health check's and the tests' input image)."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [
+            (x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), 128)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
+    return png_bytes(image)
+
+
 def load_images(uploads: dict[str, bytes]) -> list:
     """On a rank: the request's checked input images as RGB ``PIL.Image`` objects, in order."""
     from PIL import Image
 
     return [Image.open(io.BytesIO(uploads[name])).convert("RGB") for name in image_uploads(uploads)]
-
-
-def sample_png(width: int, height: int, *, seed: int = 0) -> bytes:
-    """A deterministic test picture (a colour gradient, a white square, ``seed`` in the blue channel)
-    as PNG bytes: the built-in input of health checks and family tests."""
-    from PIL import Image
-
-    image = Image.new("RGB", (width, height))
-    blue = (seed * 67) % 256
-    image.putdata(
-        [
-            (x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), blue)
-            for y in range(height)
-            for x in range(width)
-        ]
-    )
-    image.paste((255, 255, 255), (width // 4, height // 4, width // 2, height // 2))
-    return png_bytes(image)

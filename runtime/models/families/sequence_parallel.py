@@ -362,7 +362,9 @@ def _check_heads(transformer: nn.Module, ulysses: int) -> None:
 def install_for_family(pipe: Any, family: type, ctx: Any) -> SequenceState | None:
     """What a family's ``load`` calls: with an Ulysses or Ring degree above 1 in ``ctx.groups``, the
     family's plan (its ``cp_plan``) goes on ``pipe.transformer`` over those groups, attention on
-    ``--attention-backend``; otherwise nothing changes. ``ValueError`` for a family without a plan."""
+    ``--attention-backend``, and on ``pipe.transformer_2`` too where there is one (Wan2.2 A14B's
+    low-noise expert; each transformer keeps its own state); otherwise nothing changes. Returns the
+    first transformer's state. ``ValueError`` for a family without a plan."""
     ulysses, ring = sequence_degrees(getattr(ctx, "groups", None))
     if ulysses == 1 and ring == 1:
         return None
@@ -376,13 +378,18 @@ def install_for_family(pipe: Any, family: type, ctx: Any) -> SequenceState | Non
             "hooks keep per-forward state and run collectives that a captured graph would replay stale"
         )
     backend = ctx.settings.attention_backend
-    return apply_sequence_parallel(
-        pipe.transformer,
-        resolve_plan(family.cp_plan),
-        ulysses_group=ctx.groups.ulysses_group,
-        ring_group=ctx.groups.ring_group,
-        backend=backend,
-    )
+    states = [
+        apply_sequence_parallel(
+            transformer,
+            resolve_plan(family.cp_plan),
+            ulysses_group=ctx.groups.ulysses_group,
+            ring_group=ctx.groups.ring_group,
+            backend=backend,
+        )
+        for transformer in (pipe.transformer, getattr(pipe, "transformer_2", None))
+        if transformer is not None
+    ]
+    return states[0]
 
 
 SEQUENCE_PARALLEL_SETTINGS = frozenset({"ulysses_degree", "ring_degree"})
