@@ -154,18 +154,20 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
+    """Each row through a served model: three concurrent requests merge into one batch (a family
+    served one request at a time runs them alone), then a request alone."""
     skip_without_required_modules(resolve_pipeline(model))  # the Qwen image-edit rows need torchvision
-    size = min(2, resolve_pipeline(model).max_batch_size)  # GLM-Image, Edit Plus: one request at a time
-    with serve(model, delay_ms=200.0) as (_server, client):
+    size = min(3, resolve_pipeline(model).max_batch_size)  # GLM-Image, Helios' pyramid, Edit Plus: one at a time
+    with serve(model, delay_ms=500.0) as (_server, client):
         fields = {**SMALL, **extra}  # LTX-2's smallest size is 64 x 64
-        pair = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(2)])
+        merged = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(3)])
         single = client.generate(prompt="alone", timeout=60.0, **fields)
-        assert [r.info["batch_size"] for r in pair] == [size, size] and single.info["batch_size"] == 1
-        for result in (*pair, single):
+        assert [r.info["batch_size"] for r in merged] == [size] * 3 and single.info["batch_size"] == 1
+        for result in (*merged, single):
             assert result.job.state == "completed" and result.files[0].mime == mime
             assert len(result.files[0].data) > 100
         histogram = {int(k): v for k, v in client.stats()["batching"]["cumulative"]["size_histogram"].items()}
-        assert histogram == ({2: 1, 1: 1} if size == 2 else {1: 3})
+        assert histogram == ({3: 1, 1: 1} if size == 3 else {1: 4})
 
 
 @pytest.mark.slow

@@ -237,24 +237,42 @@ def test_defaults_are_resolved_in_prepare(loaded):
     assert (v.num_frames, v.num_inference_steps, v.guidance_scale, v.output_format) == (5, 2, 5.0, "mp4")
 
 
-# ---- Stable Diffusion 3 / 3.5 --------------------------------------------------------------
+# ---- released ids ------------------------------------------------------------------------
+RELEASED_IDS = {
+    "stabilityai/stable-diffusion-3-medium-diffusers": SD3T2IPipeline,
+    "stabilityai/stable-diffusion-3.5-medium": SD3T2IPipeline,
+    "stabilityai/stable-diffusion-3.5-large": SD3T2IPipeline,
+    "stabilityai/stable-diffusion-3.5-large-turbo": SD3T2IPipeline,
+    "zai-org/GLM-Image": GlmImageT2IPipeline,
+    "GLM-Image": GlmImageT2IPipeline,
+    "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers": SanaT2IPipeline,
+    "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers": SanaT2IPipeline,
+    "Efficient-Large-Model/Sana_1600M_1024px_diffusers": SanaT2IPipeline,
+    "Efficient-Large-Model/Sana_600M_1024px_diffusers": SanaT2IPipeline,
+    "Efficient-Large-Model/Sana_1600M_512px_diffusers": SanaT2IPipeline,
+    "Efficient-Large-Model/Sana_600M_512px_diffusers": SanaT2IPipeline,
+    "black-forest-labs/FLUX.2-dev": Flux2T2IPipeline,
+    "black-forest-labs/FLUX.2-dev-NVFP4": Flux2T2IPipeline,
+    "black-forest-labs/FLUX.2-klein-4B": Flux2KleinT2IPipeline,
+    "black-forest-labs/FLUX.2-klein-9B": Flux2KleinT2IPipeline,
+    "black-forest-labs/FLUX.2-klein-base-4B": Flux2KleinT2IPipeline,
+    "black-forest-labs/FLUX.2-klein-base-9B": Flux2KleinT2IPipeline,
+}
+"""Released hub id → the family that serves it (variants of one diffusers class: ``RELEASED_VARIANTS``)."""
 
 
-@pytest.mark.parametrize(
-    "model_id",
-    [
-        "stabilityai/stable-diffusion-3-medium-diffusers",
-        "stabilityai/stable-diffusion-3.5-medium",
-        "stabilityai/stable-diffusion-3.5-large",
-        "stabilityai/stable-diffusion-3.5-large-turbo",
-    ],
-)
-def test_released_sd3_ids_route_to_sd3(model_id, tmp_path):
-    assert resolve_pipeline(str(tmp_path), model_id=model_id) is SD3T2IPipeline
-    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
+@pytest.mark.parametrize("model_id", list(RELEASED_IDS))
+def test_released_ids_route_to_their_family(model_id, tmp_path):
+    """By ``--model-id``, and by a directory named as released whose class diffusers does not know."""
+    family = RELEASED_IDS[model_id]
+    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family
+    renamed = tmp_path / model_id.rpartition("/")[2]
     renamed.mkdir()
     (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
-    assert resolve_pipeline(str(renamed)) is SD3T2IPipeline
+    assert resolve_pipeline(str(renamed)) is family
+
+
+# ---- Stable Diffusion 3 / 3.5 --------------------------------------------------------------
 
 
 def test_sd3_defaults_follow_the_sd3_medium_card(loaded):
@@ -279,15 +297,6 @@ def test_sd3_negative_prompt_changes_the_output_when_guidance_is_on(loaded):
 
 
 # ---- GLM-Image -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("model_id", ["zai-org/GLM-Image", "GLM-Image"])
-def test_released_glm_image_ids_route_to_glm_image(model_id, tmp_path):
-    assert resolve_pipeline(str(tmp_path), model_id=model_id) is GlmImageT2IPipeline
-    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
-    renamed.mkdir()
-    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
-    assert resolve_pipeline(str(renamed)) is GlmImageT2IPipeline
 
 
 def test_glm_image_defaults_follow_the_model_card(loaded):
@@ -324,25 +333,6 @@ def test_glm_image_serves_singletons_because_merging_changes_each_request(loaded
 
 
 # ---- SANA / SANA 1.5 ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "model_id",
-    [
-        "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
-        "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
-        "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
-        "Efficient-Large-Model/Sana_600M_1024px_diffusers",
-        "Efficient-Large-Model/Sana_1600M_512px_diffusers",
-        "Efficient-Large-Model/Sana_600M_512px_diffusers",
-    ],
-)
-def test_released_sana_ids_route_to_sana(model_id, tmp_path):
-    assert resolve_pipeline(str(tmp_path), model_id=model_id) is SanaT2IPipeline
-    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
-    renamed.mkdir()
-    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
-    assert resolve_pipeline(str(renamed)) is SanaT2IPipeline
 
 
 def test_sana_defaults_follow_the_cards_and_the_size_the_checkpoint(loaded):
@@ -467,25 +457,6 @@ def test_ernie_negative_prompt_steers_per_request_and_the_prompt_enhancer_stays_
 
 
 # ---- FLUX.2-dev and FLUX.2 [klein] ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("model_id", "family"),
-    [
-        ("black-forest-labs/FLUX.2-dev", Flux2T2IPipeline),
-        ("black-forest-labs/FLUX.2-dev-NVFP4", Flux2T2IPipeline),
-        ("black-forest-labs/FLUX.2-klein-4B", Flux2KleinT2IPipeline),
-        ("black-forest-labs/FLUX.2-klein-9B", Flux2KleinT2IPipeline),
-        ("black-forest-labs/FLUX.2-klein-base-4B", Flux2KleinT2IPipeline),
-        ("black-forest-labs/FLUX.2-klein-base-9B", Flux2KleinT2IPipeline),
-    ],
-)
-def test_released_flux2_ids_route_to_their_family(model_id, family, tmp_path):
-    assert resolve_pipeline(str(tmp_path), model_id=model_id) is family
-    renamed = tmp_path / model_id.rpartition("/")[2]  # a directory of another pipeline class, named as released
-    renamed.mkdir()
-    (renamed / "model_index.json").write_text(json.dumps({"_class_name": "SomeRenamedPipeline"}))
-    assert resolve_pipeline(str(renamed)) is family
 
 
 def test_flux2_dev_defaults_follow_its_card(loaded):

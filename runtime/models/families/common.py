@@ -354,6 +354,9 @@ class DiffusersBatchPipeline(Pipeline):
     true_cfg_is_guidance: ClassVar[bool] = False
     """``guidance_scale`` is diffusers' ``true_cfg_scale`` (Qwen-Image): ``true_cfg_scale`` is its alias."""
     max_batch_size: ClassVar[int] = 16
+    flow_shift_field: ClassVar[str] = "flow_shift"
+    """The scheduler config field SGLang's ``flow_shift`` sets (Wan's ``flow_shift``; HunyuanVideo's
+    flow-matching Euler scheduler calls it ``shift``); a scheduler without it refuses the field."""
     honoured_settings: ClassVar[frozenset[str]] = frozenset({"dtype", "compile", "lora_paths", "lora_dirs"})
     """The ``ServeConfig`` fields these families read (``Pipeline.honoured_settings``); any other
     pipeline setting set away from its default stops ``load`` with an error naming its flag. A
@@ -593,7 +596,7 @@ class DiffusersBatchPipeline(Pipeline):
             )
         if params.enable_teacache:
             raise ValueError("enable_teacache: tilecast has no TeaCache (no step caching); send false or leave it out")
-        if params.flow_shift is not None and "flow_shift" not in getattr(self.pipe.scheduler, "config", {}):
+        if params.flow_shift is not None and self.flow_shift_field not in getattr(self.pipe.scheduler, "config", {}):
             raise ValueError(
                 f"flow_shift cannot be used by {self.family}: its scheduler "
                 f"({type(self.pipe.scheduler).__name__}) is not configured by a flow shift"
@@ -754,7 +757,9 @@ class DiffusersBatchPipeline(Pipeline):
             yield
             return
         scheduler = self.pipe.scheduler
-        self.pipe.scheduler = type(scheduler).from_config(scheduler.config, flow_shift=params.flow_shift)
+        self.pipe.scheduler = type(scheduler).from_config(
+            scheduler.config, **{self.flow_shift_field: params.flow_shift}
+        )
         try:
             yield
         finally:
@@ -805,3 +810,35 @@ class DiffusersBatchPipeline(Pipeline):
         for write in writes:
             write.result()  # every file is on disk before its job completes; errors fail the batch
         return results
+
+
+class StepDistilled:
+    """For a declaration that serves a step-distilled checkpoint and its undistilled base, told apart
+    by ``is_distilled`` in the checkpoint's ``model_index.json`` (FLUX.2 [klein], Helios' pyramid).
+    The distilled one runs without guidance: ``guidance_scale`` above 1 and ``negative_prompt`` are
+    refused (diffusers would ignore them); the base runs classifier-free guidance. Listed before
+    ``DiffusersBatchPipeline`` in the class's bases."""
+
+    distilled_name: ClassVar[str]
+    """The distilled release's name, for the refusals."""
+
+    def __init__(self, pipe, ctx) -> None:
+        super().__init__(pipe, ctx)
+        self.distilled = bool(pipe.config.get("is_distilled", False))
+        """Step-distilled (no guidance); else the undistilled base (classifier-free guidance)."""
+
+    def guidance_on(self, params) -> bool:
+        return not self.distilled and params.guidance_scale > 1.0
+
+    def no_guidance_reason(self, params) -> str:
+        if self.distilled:
+            return f"{self.distilled_name} is step-distilled and runs no classifier-free guidance"
+        return super().no_guidance_reason(params)
+
+    def validate(self, params) -> None:
+        super().validate(params)
+        if self.distilled and params.guidance_scale > 1.0:
+            raise ValueError(
+                f"guidance_scale must be at most 1.0 for {self.family}: {self.distilled_name} is step-distilled "
+                f"and runs without guidance (diffusers would ignore it), got {params.guidance_scale}"
+            )

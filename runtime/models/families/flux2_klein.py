@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from tilecast.runtime.models.families import common, flux2, tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, TinyCheckpoint
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, StepDistilled, TinyCheckpoint
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ TINY_FLUX2_KLEIN = TinyCheckpoint(
 )
 
 
-class Flux2KleinT2IPipeline(flux2.Flux2ReferenceImages, DiffusersBatchPipeline):
+class Flux2KleinT2IPipeline(StepDistilled, flux2.Flux2ReferenceImages, DiffusersBatchPipeline):
     """FLUX.2 [klein] T2I and reference-image editing; a merged batch is one ``Flux2KleinPipeline``
     call (see ``families.common``). The class defaults are the distilled checkpoints'; a Base
     checkpoint's replace them at load."""
@@ -81,28 +81,12 @@ class Flux2KleinT2IPipeline(flux2.Flux2ReferenceImages, DiffusersBatchPipeline):
     max_sequence_length = 512
     """diffusers' default."""
 
+    distilled_name = "this FLUX.2 [klein] checkpoint"
+
     def __init__(self, pipe, ctx) -> None:
         super().__init__(pipe, ctx)
-        self.distilled = bool(pipe.config.get("is_distilled", False))
-        """Step-distilled (Klein 4B / 9B): no guidance; else a Base checkpoint (classifier-free guidance)."""
         if not self.distilled:
             self.default_steps, self.default_guidance = BASE_STEPS, BASE_GUIDANCE
-
-    def guidance_on(self, params) -> bool:
-        return not self.distilled and params.guidance_scale > 1.0
-
-    def no_guidance_reason(self, params) -> str:
-        if self.distilled:
-            return "this FLUX.2 [klein] checkpoint is step-distilled and runs no classifier-free guidance"
-        return super().no_guidance_reason(params)
-
-    def validate(self, params) -> None:
-        super().validate(params)
-        if self.distilled and params.guidance_scale > 1.0:
-            raise ValueError(
-                f"guidance_scale must be at most 1.0 for {self.family}: this checkpoint is step-distilled and "
-                f"runs without guidance (diffusers would ignore it), got {params.guidance_scale}"
-            )
 
     def negative_prompts(self, items: list[WorkItem]) -> dict[str, Any]:
         """``Flux2KleinPipeline`` takes no ``negative_prompt`` (it encodes ``""``): requests that set one

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from tilecast.runtime.models.families import common, tokenizers, wan
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
+from tilecast.runtime.models.families.common import DiffusersBatchPipeline, StepDistilled, T2VParams, TinyCheckpoint
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class HeliosT2VPipeline(DiffusersBatchPipeline):
         return super().generate(items, ctx)[:, : items[0].params.num_frames]
 
 
-class HeliosPyramidT2VPipeline(HeliosT2VPipeline):
+class HeliosPyramidT2VPipeline(StepDistilled, HeliosT2VPipeline):
     """Helios-Mid / Helios-Distilled T2V: one request per ``HeliosPyramidPipeline`` call. The class
     defaults are Distilled's; a Mid checkpoint's (``is_distilled`` false) replace them at load."""
 
@@ -265,13 +265,12 @@ class HeliosPyramidT2VPipeline(HeliosT2VPipeline):
     model_id_hints = ("Helios-Mid", "Helios-Distilled")
     """``BestWishYsh/Helios-Mid`` and ``BestWishYsh/Helios-Distilled``, case-insensitively."""
     default_steps, default_guidance = PYRAMID_DEFAULTS[True]
+    distilled_name = "Helios-Distilled"
     max_batch_size = 1
     """``sample_block_noise`` draws a batch's block noise from its first generator: see the module docstring."""
 
     def __init__(self, pipe, ctx) -> None:
-        super().__init__(pipe, ctx)
-        self.distilled = bool(pipe.config.get("is_distilled", False))
-        """Helios-Distilled (DMD, no guidance); else Helios-Mid (CFG-Zero*)."""
+        super().__init__(pipe, ctx)  # StepDistilled: Helios-Distilled (DMD, no guidance), else Helios-Mid (CFG-Zero*)
         self.default_steps, self.default_guidance = PYRAMID_DEFAULTS[self.distilled]
         self.stages = int(pipe.scheduler.config.stages)
         """Pyramid stages per chunk (3 as released)."""
@@ -284,22 +283,6 @@ class HeliosPyramidT2VPipeline(HeliosT2VPipeline):
     def denoising_steps(self, params) -> int:
         per_chunk = params.num_inference_steps * self.stages
         return per_chunk * self.chunks(params) + (per_chunk if self.distilled else 0)  # amplified first chunk
-
-    def guidance_on(self, params) -> bool:
-        return not self.distilled and params.guidance_scale > 1.0
-
-    def no_guidance_reason(self, params) -> str:
-        if self.distilled:
-            return "Helios-Distilled is step-distilled and runs no classifier-free guidance"
-        return super().no_guidance_reason(params)
-
-    def validate(self, params) -> None:
-        super().validate(params)
-        if self.distilled and params.guidance_scale > 1.0:
-            raise ValueError(
-                f"guidance_scale must be at most 1.0 for {self.family}: this checkpoint is step-distilled and "
-                f"runs without guidance, got {params.guidance_scale}"
-            )
 
     def call_kwargs(self, params) -> dict[str, Any]:
         """The base arguments with the steps per stage as ``pyramid_num_inference_steps_list``, and

@@ -35,10 +35,7 @@ gathered after the output projection. 2 and 4 gloo ranks match one rank within 4
 
 from __future__ import annotations
 
-import contextlib
 import logging
-
-import msgspec
 
 from tilecast.runtime.models.families import common, flux, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, T2VParams, TinyCheckpoint
@@ -229,32 +226,14 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
         self.pipe.scheduler = type(scheduler).from_config(scheduler.config, shift=FAST_SHIFT)
         self.default_steps, self.default_guidance, self.row = FAST_STEPS, FAST_GUIDANCE, "FastHunyuan"
 
+    flow_shift_field = "shift"
+    """SGLang's ``flow_shift`` is the flow-matching Euler scheduler's ``shift`` here."""
+
     def guidance_on(self, params) -> bool:
         return False  # guidance-distilled: guidance_scale is an embedding, not CFG
 
     def no_guidance_reason(self, params) -> str:
         return f"{self.row} is guidance-distilled (guidance_scale is embedded) and runs no classifier-free guidance"
-
-    def check_sglang_fields(self, params, guidance: float) -> float:
-        """The base checks, with ``flow_shift`` read as the flow-matching Euler scheduler's ``shift``."""
-        shift = params.flow_shift
-        guidance = super().check_sglang_fields(msgspec.structs.replace(params, flow_shift=None), guidance)
-        if shift is not None and not 0.0 < shift <= 100.0:
-            raise ValueError(f"flow_shift must be in (0, 100], got {shift}")
-        return guidance
-
-    @contextlib.contextmanager
-    def flow_shift(self, params):
-        """While inside, the scheduler runs with the request's ``flow_shift`` as its ``shift``."""
-        if params.flow_shift is None:
-            yield
-            return
-        scheduler = self.pipe.scheduler
-        self.pipe.scheduler = type(scheduler).from_config(scheduler.config, shift=params.flow_shift)
-        try:
-            yield
-        finally:
-            self.pipe.scheduler = scheduler
 
     def validate(self, params) -> None:
         if not 1 <= params.num_frames <= MAX_FRAMES or (params.num_frames - 1) % 4:
