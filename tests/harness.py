@@ -40,17 +40,18 @@ from tilecast.launcher.torchrun import terminate
 def tiny_families(*, variants: bool = True) -> dict[str, type]:
     """Built-in name → class of every diffusers family with a tiny checkpoint, read from the registry:
     a family declared there is tested by the family tests without editing them. ``variants=False``
-    keeps the first one declared per diffusers class (Z-Image-Turbo, not Z-Image): a variant runs
-    its family's transformer unchanged, so tests of the transformer alone (``--compile``, sequence
+    leaves out the declarations marked ``variant`` (Z-Image next to Z-Image-Turbo): a variant runs its
+    family's transformer unchanged, so tests of the transformer alone (``--compile``, sequence
     parallelism) would only repeat themselves on it."""
     from tilecast.runtime.models.families.common import DiffusersBatchPipeline
-    from tilecast.runtime.registry import diffusers_classes, pipelines
+    from tilecast.runtime.registry import pipelines
 
-    first = {declared[0] for declared in diffusers_classes().values()}
     return {
         cls.builtin_name: cls
         for cls in pipelines()
-        if issubclass(cls, DiffusersBatchPipeline) and cls.checkpoint is not None and (variants or cls in first)
+        if issubclass(cls, DiffusersBatchPipeline)
+        and cls.checkpoint is not None
+        and (variants or not cls.__dict__.get("variant", False))
     }
 
 

@@ -354,6 +354,10 @@ class DiffusersBatchPipeline(Pipeline):
     true_cfg_is_guidance: ClassVar[bool] = False
     """``guidance_scale`` is diffusers' ``true_cfg_scale`` (Qwen-Image): ``true_cfg_scale`` is its alias."""
     max_batch_size: ClassVar[int] = 16
+    variant: ClassVar[bool] = False
+    """Set by a declaration that only changes its family's defaults, hints and tiny checkpoint (the
+    class it subclasses runs the same transformer and plan): tests of the transformer alone skip it.
+    Not inherited: read from the class's own ``__dict__``."""
     flow_shift_field: ClassVar[str] = "flow_shift"
     """The scheduler config field SGLang's ``flow_shift`` sets (Wan's ``flow_shift``; HunyuanVideo's
     flow-matching Euler scheduler calls it ``shift``); a scheduler without it refuses the field."""

@@ -179,6 +179,7 @@ class ErnieImageT2IPipeline(DiffusersBatchPipeline):
 class ErnieImageTurboT2IPipeline(ErnieImageT2IPipeline):
     """ERNIE-Image-Turbo: ERNIE-Image's family with the distilled model's defaults (no guidance)."""
 
+    variant = True
     family = "ernie-image-turbo"
     checkpoint = TINY_ERNIE_IMAGE_TURBO
     builtin_name = "tiny/ernie-image-turbo"

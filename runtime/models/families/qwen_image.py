@@ -123,6 +123,7 @@ class QwenImageT2IPipeline(DiffusersBatchPipeline):
 class QwenImage2512T2IPipeline(QwenImageT2IPipeline):
     """Qwen-Image-2512: Qwen-Image's family with the 2512 card's defaults."""
 
+    variant = True
     family = "qwen-image-2512"
     checkpoint = TINY_QWEN_IMAGE_2512
     builtin_name = "tiny/qwen-image-2512"

@@ -121,6 +121,7 @@ class ZImageT2IPipeline(DiffusersBatchPipeline):
 class ZImageBaseT2IPipeline(ZImageT2IPipeline):
     """Z-Image, the undistilled base: Z-Image-Turbo's family with the base card's defaults (guidance on)."""
 
+    variant = True
     family = "z-image"
     checkpoint = TINY_Z_IMAGE_BASE
     builtin_name = "tiny/z-image"
