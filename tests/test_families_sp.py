@@ -262,8 +262,16 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
     return results
 
 
+TWO_RANK_FAMILIES = sorted(
+    set(FAMILIES) & {"tiny/flux", "tiny/qwen-image", "tiny/z-image-turbo", "tiny/wan2.1-t2v", "tiny/sana-1.5-1.6b"}
+)
+"""Families that also run Ulysses 2 and Ring 2 alone on two ranks: the first four families, and SANA,
+whose Mix-FFN reads its neighbours' edge rows only when a shard has more than two rows. Every family
+runs Ulysses 2 x Ring 2 on four ranks, which takes both exchanges (and keeps CI's time in bounds)."""
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", TWO_RANK_FAMILIES)
 @pytest.mark.parametrize(("ulysses", "ring"), [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
 def test_two_ranks_match_one_rank(name, ulysses, ring, tiny_cache, tmp_path_factory):
     _check(name, ulysses, ring, tiny_cache, tmp_path_factory)
