@@ -66,7 +66,9 @@ def loaded(tiny_cache, tmp_path_factory):
 def params_for(pipe, **fields):
     """A prepared request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) with the
     family's example input images (``example_uploads``: an image-to-video family's first frame) and,
-    for a video family, its shortest clip of more than one frame (Wan 5, LTX-2 9)."""
+    for a video family, its shortest clip of more than one frame (Wan 5, LTX-2 9), at two denoising
+    steps unless ``fields`` say otherwise (the cards' 20..50 steps show nothing more here)."""
+    fields.setdefault("num_inference_steps", min(2, pipe.default_steps))
     side = max(32, getattr(pipe, "min_side", 32))
     fields.setdefault("width", side)
     fields.setdefault("height", side)
@@ -399,9 +401,9 @@ def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeyp
 
 
 def test_a_checkpoint_of_an_unserved_diffusers_pipeline_is_refused_whatever_its_name(tmp_path):
-    edit = _checkpoint_dir(tmp_path / "Qwen-Image-Edit-2511", "QwenImageEditPlusPipeline")
-    with pytest.raises(ValueError, match="'QwenImageEditPlusPipeline' is not served"):
-        resolve_pipeline(str(edit))  # its name holds the hint "Qwen-Image", its class says otherwise
+    layered = _checkpoint_dir(tmp_path / "Qwen-Image-Layered", "QwenImageLayeredPipeline")
+    with pytest.raises(ValueError, match="'QwenImageLayeredPipeline' is not served"):
+        resolve_pipeline(str(layered))  # its name holds the hint "Qwen-Image", its class says otherwise
     renamed = _checkpoint_dir(tmp_path / "Qwen-Image-2512-export", "SomeRenamedPipeline")
     assert resolve_pipeline(str(renamed)) is QwenImage2512T2IPipeline  # a class diffusers does not know: the name
 
