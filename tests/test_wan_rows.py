@@ -346,6 +346,43 @@ def test_cpu_offload_of_what_a_wan_family_cannot_offload_is_refused(cls, compone
         cls.load(cls.builtin_name, ctx)
 
 
+def test_layerwise_offload_streams_both_experts_blocks_and_keeps_the_output(loaded):
+    """``--layerwise-offload-components transformer transformer_2``: every block of both experts is
+    a streamed group that comes to the device as it runs; the output is the resident one's."""
+    resident, ctx = loaded(Wan22T2VPipeline)
+    streamed, _ = loaded(
+        Wan22T2VPipeline,
+        layerwise_offload_components="transformer,transformer_2",
+        dit_offload_prefetch_size=2,
+        dit_layerwise_resident_layers=0,
+    )
+    assert set(streamed.streamers) == {"transformer", "transformer_2"}
+    for name, streamer in streamed.streamers.items():
+        expert = getattr(streamed.pipe, name)
+        assert [group.name for group in streamer.groups] == [f"{name}.blocks.{i}" for i in range(len(expert.blocks))]
+    params = prepared(resident, seed=5, num_inference_steps=3)
+    want = run(resident, ctx, (params, ()))[0]
+    got = run(streamed, ctx, (params, ()))[0]
+    assert torch.equal(got, want)
+    assert all(group.onloads > 0 for streamer in streamed.streamers.values() for group in streamer.groups)
+    assert not any(streamer.onloaded() for streamer in streamed.streamers.values())  # all back on the host
+
+
+@pytest.mark.parametrize(
+    ("cls", "components", "message"),
+    [
+        (Wan22T2VPipeline, "vae", "vae cannot be streamed by wan2.2-t2v-a14b"),
+        (WanT2VPipeline, "transformer_2", "the checkpoint has no transformer_2"),
+    ],
+)
+def test_layerwise_offload_of_what_a_wan_family_cannot_stream_is_refused(
+    cls, components, message, tiny_cache, tmp_path
+):
+    ctx = make_context(tmp_path, dtype="float32", layerwise_offload_components=components)
+    with pytest.raises(UnsupportedSettingError, match=re.escape(message)):
+        cls.load(cls.builtin_name, ctx)
+
+
 def test_transformer_2_is_a_known_offload_component_elsewhere_refused():
     from tilecast.runtime.placement import parse_components
 

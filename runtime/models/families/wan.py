@@ -232,6 +232,50 @@ def install_expert_offload(pipe, family: str, ctx) -> ExpertOffload | None:
     return offload
 
 
+def install_layerwise(pipe, family: str, ctx) -> dict:
+    """Apply ``--layerwise-offload-components`` to a Wan pipeline's experts: each named expert's
+    transformer blocks stream from host memory just before they run (``placement.LayerStreamer``,
+    ``--dit-offload-prefetch-size`` blocks ahead, the first ``--dit-layerwise-resident-layers``
+    blocks kept on the device); its embeddings and output head stay on the device. Returns the
+    streamers by expert; ``UnsupportedSettingError`` naming what a Wan family cannot stream."""
+    from tilecast.runtime.placement import LayerStreamer
+
+    placement = ctx.settings.placement
+    names = placement.layerwise_offload_components
+    if not names:
+        return {}
+    wrong = [name for name in names if name not in OFFLOADABLE]
+    missing = [name for name in names if name in OFFLOADABLE and getattr(pipe, name, None) is None]
+    if wrong or missing:
+        reason = (
+            f"{', '.join(wrong)} cannot be streamed by {family}" if wrong else f"the checkpoint has no {missing[0]}"
+        )
+        raise UnsupportedSettingError(
+            f"--layerwise-offload-components {' '.join(names)}: {reason}; {family} streams the blocks of its"
+            f" denoising experts ({', '.join(name for name in OFFLOADABLE if getattr(pipe, name, None) is not None)})"
+        )
+    if ctx.settings.lora_enabled:
+        raise UnsupportedSettingError(
+            "--layerwise-offload-components with --lora-path / --lora-dir: merging an adapter changes the"
+            " weights that the streamed host copies hold"
+        )
+    streamers = {}
+    for name in names:
+        expert = getattr(pipe, name)
+        resident = placement.dit_layerwise_resident_layers
+        chain = [(f"{name}.blocks.{i}", [expert.blocks[i]]) for i in range(resident, len(expert.blocks))]
+        streamers[name] = LayerStreamer(
+            name, expert, chain, device=torch.device(ctx.device), prefetch=placement.dit_offload_prefetch_size
+        )
+    if torch.device(ctx.device).type == "cuda":
+        torch.cuda.empty_cache()  # give back the device copies the pinned host copies replaced
+    if ctx.rank == 0:
+        logger.info(
+            "%s: blocks of %s stream from host memory (--layerwise-offload-components)", family, ", ".join(names)
+        )
+    return streamers
+
+
 # ------------------------------------------------------------------------------------ families
 class WanFamily(DiffusersBatchPipeline):
     """What the Wan families share (see the module docstring); a merged batch is one diffusers call."""
@@ -249,6 +293,9 @@ class WanFamily(DiffusersBatchPipeline):
         "vae.use_parallel_decode",
         "vae.parallel_decode_mode",
         "cpu_offload_components",
+        "layerwise_offload_components",
+        "dit_offload_prefetch_size",
+        "dit_layerwise_resident_layers",
         "allow_dense_attention_fallback",
     }
     """Also the parallel decode settings, which ``wan_decode.install`` reads (the other
@@ -273,6 +320,8 @@ class WanFamily(DiffusersBatchPipeline):
         self.parallel_decode = wan_decode.install(pipe.vae, ctx) if self.parallel_decode_ok(pipe) else False
         """Whether the VAE decode is split by rows across the decode group (``wan_decode``)."""
         self.expert_offload: ExpertOffload | None = None
+        self.streamers: dict = {}
+        """Expert name → its ``LayerStreamer`` under ``--layerwise-offload-components`` (``load`` sets them)."""
         self.two_experts = getattr(pipe, "transformer_2", None) is not None and pipe.config.boundary_ratio is not None
 
     @classmethod
@@ -306,6 +355,7 @@ class WanFamily(DiffusersBatchPipeline):
         if defaults.max_images is not None:
             pipeline.max_images = defaults.max_images
         pipeline.expert_offload = install_expert_offload(pipeline.pipe, pipeline.family, ctx)
+        pipeline.streamers = install_layerwise(pipeline.pipe, pipeline.family, ctx)
         if defaults.few_step is not None:
             from tilecast.runtime.models.families.wan_fewstep import FewStepFlowScheduler
 
