@@ -47,6 +47,21 @@ class _SequenceParallelProcessor:
         )
         return out_BSHD
 
+    def single_stream(self, attn, hidden_states, mask_BS, freqs, rotary):
+        """Single-stream attention over the split tokens (Z-Image, ERNIE-Image): q/k/v projections,
+        the q/k norms, ``rotary(x_BSHD, freqs)``, then ``attend`` with the per-token key mask
+        ``mask_BS``; returns the attention output and the query dtype."""
+        q_BSHD, k_BSHD, v_BSHD = (
+            proj(hidden_states).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        if attn.norm_q is not None:
+            q_BSHD = attn.norm_q(q_BSHD)
+        if attn.norm_k is not None:
+            k_BSHD = attn.norm_k(k_BSHD)
+        if freqs is not None:
+            q_BSHD, k_BSHD = rotary(q_BSHD, freqs), rotary(k_BSHD, freqs)
+        return self.attend(q_BSHD, k_BSHD, v_BSHD, [(self.state.stream, mask_BS)]), q_BSHD.dtype
+
 
 class FluxSequenceParallelProcessor(_SequenceParallelProcessor):
     """``FluxAttention`` (diffusers' ``FluxAttnProcessor``, tilecast's ``FluxDenseAttnProcessor``):
@@ -221,19 +236,10 @@ class ZImageSequenceParallelProcessor(_SequenceParallelProcessor):
     by the model's batch-padding mask (split by the plan) and by padding."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
-        q_BSHD, k_BSHD, v_BSHD = (
-            proj(hidden_states).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
-        )
-        if attn.norm_q is not None:
-            q_BSHD = attn.norm_q(q_BSHD)
-        if attn.norm_k is not None:
-            k_BSHD = attn.norm_k(k_BSHD)
-        if freqs_cis is not None:
-            q_BSHD, k_BSHD = _z_image_rotary(q_BSHD, freqs_cis), _z_image_rotary(k_BSHD, freqs_cis)
         if attention_mask is not None and attention_mask.ndim != 2:
             raise ValueError(f"Z-Image's attention mask should be (batch, tokens), got {tuple(attention_mask.shape)}")
-        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [(self.state.stream, attention_mask)])
-        output = attn.to_out[0](out_BSHD.flatten(2, 3).to(q_BSHD.dtype))
+        out_BSHD, dtype = self.single_stream(attn, hidden_states, attention_mask, freqs_cis, _z_image_rotary)
+        output = attn.to_out[0](out_BSHD.flatten(2, 3).to(dtype))
         if len(attn.to_out) > 1:  # dropout
             output = attn.to_out[1](output)
         return output
@@ -315,19 +321,10 @@ class ErnieImageSequenceParallelProcessor(_SequenceParallelProcessor):
     the plan) and by padding."""
 
     def __call__(self, attn, hidden_states, attention_mask=None, freqs_cis=None):
-        q_BSHD, k_BSHD, v_BSHD = (
-            proj(hidden_states).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
-        )
-        if attn.norm_q is not None:
-            q_BSHD = attn.norm_q(q_BSHD)
-        if attn.norm_k is not None:
-            k_BSHD = attn.norm_k(k_BSHD)
-        if freqs_cis is not None:
-            q_BSHD, k_BSHD = _ernie_rotary(q_BSHD, freqs_cis), _ernie_rotary(k_BSHD, freqs_cis)
         if attention_mask is not None:  # (B, 1, 1, S) as the model builds it, or (B, S)
             attention_mask = attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[-1])
-        out_BSHD = self.attend(q_BSHD, k_BSHD, v_BSHD, [(self.state.stream, attention_mask)])
-        return attn.to_out[0](out_BSHD.flatten(2, 3).to(q_BSHD.dtype))
+        out_BSHD, dtype = self.single_stream(attn, hidden_states, attention_mask, freqs_cis, _ernie_rotary)
+        return attn.to_out[0](out_BSHD.flatten(2, 3).to(dtype))
 
 
 def _ernie_rotary(x_BSHD: torch.Tensor, freqs_B_S_1_R: torch.Tensor) -> torch.Tensor:

@@ -203,27 +203,40 @@ class ExpertOffload:
                 offload.exit()
 
 
+def _check_experts(pipe, family: str, ctx, names, flag: str, done: str, does: str, held: str) -> None:
+    """``UnsupportedSettingError`` for a placement flag naming what a Wan family cannot place (only its
+    denoising experts can be: the VAE is called through ``encode``/``decode``, not ``forward``), an
+    expert the checkpoint lacks, or LoRA (merging an adapter changes the weights the host copies hold)."""
+    wrong = [name for name in names if name not in OFFLOADABLE]
+    missing = [name for name in names if name in OFFLOADABLE and getattr(pipe, name, None) is None]
+    if wrong or missing:
+        reason = f"{', '.join(wrong)} cannot be {done} by {family}" if wrong else f"the checkpoint has no {missing[0]}"
+        present = ", ".join(name for name in OFFLOADABLE if getattr(pipe, name, None) is not None)
+        raise UnsupportedSettingError(
+            f"{flag} {' '.join(names)}: {reason}; {family} {does} denoising experts ({present})"
+        )
+    if ctx.settings.lora_enabled:
+        raise UnsupportedSettingError(
+            f"{flag} with --lora-path / --lora-dir: merging an adapter changes the weights that {held}"
+        )
+
+
 def install_expert_offload(pipe, family: str, ctx) -> ExpertOffload | None:
     """Apply ``--cpu-offload-components`` to a Wan pipeline's experts; ``ValueError`` naming what a
     Wan family cannot offload (the VAE: diffusers calls ``vae.encode``/``decode``, not ``forward``)."""
     names = ctx.settings.placement.cpu_offload_components
     if not names:
         return None
-    wrong = [name for name in names if name not in OFFLOADABLE]
-    missing = [name for name in names if name in OFFLOADABLE and getattr(pipe, name, None) is None]
-    if wrong or missing:
-        reason = (
-            f"{', '.join(wrong)} cannot be offloaded by {family}" if wrong else f"the checkpoint has no {missing[0]}"
-        )
-        raise UnsupportedSettingError(
-            f"--cpu-offload-components {' '.join(names)}: {reason}; {family} offloads its denoising experts"
-            f" ({', '.join(name for name in OFFLOADABLE if getattr(pipe, name, None) is not None)})"
-        )
-    if ctx.settings.lora_enabled:
-        raise UnsupportedSettingError(
-            "--cpu-offload-components with --lora-path / --lora-dir: merging an adapter changes the weights"
-            " that the offloaded host copy holds"
-        )
+    _check_experts(
+        pipe,
+        family,
+        ctx,
+        names,
+        "--cpu-offload-components",
+        "offloaded",
+        "offloads its",
+        "the offloaded host copy holds",
+    )
     offload = ExpertOffload(pipe, names, ctx.device)
     if torch.device(ctx.device).type == "cuda":
         torch.cuda.empty_cache()  # give back what a device copy held (the host copies are the masters)
@@ -244,21 +257,16 @@ def install_layerwise(pipe, family: str, ctx) -> dict:
     names = placement.layerwise_offload_components
     if not names:
         return {}
-    wrong = [name for name in names if name not in OFFLOADABLE]
-    missing = [name for name in names if name in OFFLOADABLE and getattr(pipe, name, None) is None]
-    if wrong or missing:
-        reason = (
-            f"{', '.join(wrong)} cannot be streamed by {family}" if wrong else f"the checkpoint has no {missing[0]}"
-        )
-        raise UnsupportedSettingError(
-            f"--layerwise-offload-components {' '.join(names)}: {reason}; {family} streams the blocks of its"
-            f" denoising experts ({', '.join(name for name in OFFLOADABLE if getattr(pipe, name, None) is not None)})"
-        )
-    if ctx.settings.lora_enabled:
-        raise UnsupportedSettingError(
-            "--layerwise-offload-components with --lora-path / --lora-dir: merging an adapter changes the"
-            " weights that the streamed host copies hold"
-        )
+    _check_experts(
+        pipe,
+        family,
+        ctx,
+        names,
+        "--layerwise-offload-components",
+        "streamed",
+        "streams the blocks of its",
+        "the streamed host copies hold",
+    )
     streamers = {}
     for name in names:
         expert = getattr(pipe, name)
