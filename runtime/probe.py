@@ -33,7 +33,7 @@ class ProbeParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     steps: int = 1
     """All-reduces per request (progress ticks)."""
     sleep_s: float = 0.0
-    """Sleep per step on every rank (a slow unit of work)."""
+    """Sleep per step on every rank, then ``ctx.alive()`` (a slow unit of work)."""
     fail: str | None = None
     """Raise ValueError with this message on every rank (a failing request)."""
     hang_rank: int | None = None
@@ -88,6 +88,7 @@ class AllReducePipeline(Pipeline):
                         time.sleep(3600)
                 if params.sleep_s:
                     time.sleep(params.sleep_s)
+                    ctx.alive()  # compute that moved on
                 partial = self._partial(params, ctx.rank).to(ctx.device)
                 if ctx.device_group is not None:
                     dist.all_reduce(partial, group=ctx.device_group)

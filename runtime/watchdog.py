@@ -29,18 +29,25 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressBeat:
-    """A counter the compute loop bumps whenever it makes progress (thread-safe enough: one writer)."""
+    """A counter the compute loop bumps whenever it makes progress (thread-safe enough: one writer),
+    with the time of its last move on this process's monotonic clock."""
 
     def __init__(self) -> None:
         self.counter = 0
         self.busy = False
+        self.moved_at = time.monotonic()
 
     def tick(self) -> None:
         self.counter += 1
+        self.moved_at = time.monotonic()
 
     def set_busy(self, busy: bool) -> None:
         self.busy = busy
-        self.counter += 1
+        self.tick()
+
+    def still_s(self) -> float:
+        """Seconds since the counter last moved."""
+        return time.monotonic() - self.moved_at
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -86,7 +93,8 @@ class HeartbeatSender(threading.Thread):
         try:
             while not self._halt.is_set():
                 try:
-                    message = [self.rank, os.getpid(), self.beat.counter, self.beat.busy, socket.gethostname()]
+                    beat = self.beat
+                    message = [self.rank, os.getpid(), beat.counter, beat.busy, beat.still_s(), socket.gethostname()]
                     sock.send(encoder.encode(message), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
@@ -138,14 +146,15 @@ class Watchdog(threading.Thread):
                 if self._sock.poll(int(self.config.heartbeat_interval_s * 1000)):
                     while True:
                         try:
-                            rank, pid, counter, busy, host = decoder.decode(self._sock.recv(zmq.NOBLOCK))
+                            message = decoder.decode(self._sock.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
-                        self._observe(rank, counter, busy)
+                        rank, pid, counter, busy, still_s, host = message
+                        self._observe(rank, counter, busy, still_s)
                         self.last_seen[rank] = self.clock()
                         if host == socket.gethostname():
                             self.pids[rank] = pid
-                self._observe(0, self.beat.counter, self.beat.busy)
+                self._observe(0, self.beat.counter, self.beat.busy, self.beat.still_s())
                 reason = self.check()
                 if reason and not self.fired:
                     self.fired = True
@@ -153,10 +162,14 @@ class Watchdog(threading.Thread):
         finally:
             self._sock.close()
 
-    def _observe(self, rank: int, counter: int, busy: bool) -> None:
+    def _observe(self, rank: int, counter: int, busy: bool, still_s: float = 0.0) -> None:
+        """``still_s``: how long ago the rank's counter moved, on its own clock. A heartbeat is read
+        up to an interval after it was sent: the time of the move, not of the reading, decides which
+        rank stopped first (never before the last move seen, or this watchdog's start)."""
         self.busy[rank] = busy
-        if self.progress[rank][0] != counter:
-            self.progress[rank] = (counter, self.clock())
+        last_counter, last_moved = self.progress[rank]
+        if last_counter != counter:
+            self.progress[rank] = (counter, max(self.clock() - still_s, last_moved))
 
     def check(self) -> str | None:
         """The reason the server is dead, or None."""

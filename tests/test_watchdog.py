@@ -77,6 +77,22 @@ def test_a_rank_waiting_for_a_peer_that_still_beats_is_not_stuck(dog):
     assert verdicts[20].startswith("rank 2 made no progress for 80.0 s")
 
 
+def test_the_rank_that_stopped_first_is_named_by_its_own_clock_not_the_reading(dog):
+    """Heartbeats arrive up to an interval late: rank 2's counter stopped 3 s before rank 1's but
+    its heartbeat is read later. The verdict goes by when each counter moved, as each rank reports."""
+    watchdog, clock = dog
+    watchdog._observe(1, 1, False, still_s=1e6)  # loading before the watchdog started is not stillness
+    assert watchdog.progress[1] == (1, 100.0)
+    clock.now += 10.0
+    watchdog._observe(1, 5, True, still_s=0.0)
+    clock.now += 0.4
+    watchdog._observe(2, 5, True, still_s=3.0)
+    watchdog.last_seen.update({1: clock.now, 2: clock.now})
+    clock.now += 20.0
+    watchdog.last_seen.update({1: clock.now, 2: clock.now})
+    assert watchdog.check() == "rank 2 made no progress for 23.0 s (stuck; --stuck-timeout-s)"
+
+
 def test_alive_inside_a_long_stage_keeps_rank_0_from_being_stuck(dog):
     """A 90 s stage with no progress units (a VAE decode) that calls ``ctx.alive()`` every few
     seconds is not stuck under a 20 s timeout; the same stage without beats is."""
@@ -183,7 +199,8 @@ def _probe_server(tmp_path, **options):
 @pytest.mark.timeout(120)
 def test_two_ranks_a_long_beating_stage_completes_and_a_rank_that_stops_is_stuck(tmp_path):
     """Under a 2 s stuck timeout: 6 s stages that beat complete on both ranks; then a rank whose
-    compute stops (its heartbeat thread still reporting) fails the server as stuck within seconds."""
+    compute stops (its heartbeat thread still reporting) fails the server as stuck within seconds,
+    named as the one that stopped first (its peer works 1.5 s more, then waits in the all-reduce)."""
     from tilecast.client import Client
 
     server = _probe_server(tmp_path)
@@ -193,7 +210,7 @@ def test_two_ranks_a_long_beating_stage_completes_and_a_rank_that_stops_is_stuck
                 result = client.result(client.submit(size=2, seed=seed, stage_s=6.0), timeout=60)
                 assert result.job.state == "completed", (result.job.error, server.log())
             stopped_at = time.monotonic()
-            hung = client.submit(size=2, hang_rank=1)
+            hung = client.submit(size=2, hang_rank=1, sleep_s=1.5)
         with Client(server.endpoint, heartbeat_s=1.0, dead_after_s=3.0) as client:
             try:
                 outcome = client.result(hung, timeout=30).job.error or ""
