@@ -75,6 +75,10 @@ class ServeConfig:
     """A built-in model name (``tiny/k6sr``, ...), a released hub id or a local diffusers-format directory."""
     model_id: str | None = setting(None, section="model", metavar="ID")
     """Routing hint for a renamed checkpoint directory (e.g. ``Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers``)."""
+    transformer_weights_path: str | None = setting(None, section="model", metavar="PATH", pipeline=True)
+    """Single-file transformer weights that replace the ``--model-path`` pipeline's own (SGLang's
+    flag): a ``.safetensors`` file, its folder or a Hub id. FLUX.2-dev reads BFL-format NVFP4 weights
+    here (``black-forest-labs/FLUX.2-dev-NVFP4``), dequantized at load on GPUs without FP4 tensor cores."""
     device: str = setting("cuda", section="model", choices=("cpu", "cuda"))
     """Where the ranks compute."""
     dtype: str | None = setting(None, section="model", choices=DTYPES, pipeline=True)

@@ -25,9 +25,10 @@ def is_hub_id(model_path: str) -> bool:
     return not name.startswith(BUILTIN_PREFIXES) and not Path(name).exists() and bool(HUB_ID.match(name))
 
 
-def local_dir(model_path: str) -> Path:
+def local_dir(model_path: str, flag: str = "--model-path") -> Path:
     """The local directory ``model_path`` names (see the module doc); ``ValueError`` naming the
-    problem when a Hub id is neither cached (offline) nor downloadable."""
+    problem (and ``flag``, the setting that gave it) when a Hub id is neither cached (offline) nor
+    downloadable."""
     if not is_hub_id(model_path):
         return Path(model_path)
     from huggingface_hub import constants, snapshot_download
@@ -39,7 +40,7 @@ def local_dir(model_path: str) -> Path:
     except LocalEntryNotFoundError:
         where = "HF_HUB_OFFLINE is set" if offline else "it could not be downloaded"
         raise ValueError(
-            f"--model-path {model_path!r}: no snapshot in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {where}"
+            f"{flag} {model_path!r}: no snapshot in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {where}"
         ) from None
     except HfHubHTTPError as exc:
-        raise ValueError(f"--model-path {model_path!r}: the Hub refused it ({exc})") from None
+        raise ValueError(f"{flag} {model_path!r}: the Hub refused it ({exc})") from None

@@ -42,6 +42,7 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.glm_image:GlmImageT2IPipeline",
     "tilecast.runtime.models.families.sana:SanaT2IPipeline",
     "tilecast.runtime.models.families.flux2:Flux2T2IPipeline",
+    "tilecast.runtime.models.families.flux2_nvfp4:Flux2NVFP4T2IPipeline",
     "tilecast.runtime.models.families.flux2_klein:Flux2KleinT2IPipeline",
     "tilecast.runtime.models.families.ernie_image:ErnieImageT2IPipeline",
     "tilecast.runtime.models.families.ernie_image:ErnieImageTurboT2IPipeline",
@@ -123,7 +124,13 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         )
     index = path / "model_index.json"
     if not index.is_file():
-        raise ValueError(f"{path} has no model_index.json: not a diffusers-format model directory")
+        single_file = (
+            "; single-file transformer weights (as FLUX.2-dev-NVFP4's) go to --transformer-weights-path, with "
+            "their base pipeline as --model-path"
+            if path.is_dir() and any(path.glob("*.safetensors"))
+            else ""
+        )
+        raise ValueError(f"{path} has no model_index.json: not a diffusers-format model directory{single_file}")
     try:
         class_name = json.loads(index.read_text())["_class_name"]
     except (json.JSONDecodeError, KeyError) as exc:

@@ -134,6 +134,7 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/glm-image", {}, "image/png"),
         ("tiny/sana-1.5-1.6b", {}, "image/png"),
         ("tiny/flux.2-dev", {"num_inference_steps": 2}, "image/png"),
+        ("tiny/flux.2-dev-nvfp4", {"num_inference_steps": 2}, "image/png"),  # its NVFP4 file by default
         ("tiny/flux.2-klein-4b", {}, "image/png"),
         ("tiny/ernie-image", {}, "image/png"),
         ("tiny/ernie-image-turbo", {}, "image/png"),

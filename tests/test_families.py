@@ -494,15 +494,6 @@ def test_flux2_dev_reads_a_released_tokenizer_folder_without_its_processor(loade
     assert torch.equal(got, want)
 
 
-def test_flux2_dev_nvfp4_weights_alone_are_refused_at_load(tmp_path):
-    nvfp4 = tmp_path / "FLUX.2-dev-NVFP4"  # the released repo: one file of BFL-named NVFP4 transformer weights
-    nvfp4.mkdir()
-    (nvfp4 / "flux2-dev-nvfp4-mixed.safetensors").touch()
-    assert resolve_pipeline(str(nvfp4), model_id="black-forest-labs/FLUX.2-dev-NVFP4") is Flux2T2IPipeline
-    with pytest.raises(ValueError, match="NVFP4 transformer weights"):
-        Flux2T2IPipeline.load(str(nvfp4), make_context(tmp_path / "out", dtype="float32"))
-
-
 def test_flux2_klein_distilled_defaults_and_refusals(loaded):
     pipe, _ = loaded("tiny/flux.2-klein-4b")
     p = pipe.prepare(pipe.params_type(prompt="x"), {})

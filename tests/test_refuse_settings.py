@@ -27,6 +27,7 @@ from tilecast.runtime.models.families.ernie_image import ErnieImageT2IPipeline, 
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.models.families.flux2 import Flux2T2IPipeline
 from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
+from tilecast.runtime.models.families.flux2_nvfp4 import Flux2NVFP4T2IPipeline
 from tilecast.runtime.models.families.glm_image import GlmImageT2IPipeline
 from tilecast.runtime.models.families.helios import HeliosPyramidT2VPipeline, HeliosT2VPipeline
 from tilecast.runtime.models.families.hunyuan_video import HunyuanVideoT2VPipeline
@@ -58,6 +59,7 @@ PIPELINES = {
     "tiny/glm-image": GlmImageT2IPipeline,
     "tiny/sana-1.5-1.6b": SanaT2IPipeline,
     "tiny/flux.2-dev": Flux2T2IPipeline,
+    "tiny/flux.2-dev-nvfp4": Flux2NVFP4T2IPipeline,
     "tiny/flux.2-klein-4b": Flux2KleinT2IPipeline,
     "tiny/ernie-image": ErnieImageT2IPipeline,
     "tiny/ernie-image-turbo": ErnieImageTurboT2IPipeline,
@@ -72,6 +74,10 @@ _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)
 SAMPLES = {  # a valid value other than the default, and the flags it needs besides its own
     "dtype": ({"dtype": "bfloat16"}, "--dtype bfloat16"),
+    "transformer_weights_path": (
+        {"transformer_weights_path": "/data/flux2-dev-nvfp4.safetensors"},
+        "--transformer-weights-path /data/flux2-dev-nvfp4.safetensors",
+    ),
     "tp_size": ({"tp_size": 2, "num_gpus": 2}, "--tp-size 2"),
     "ulysses_degree": ({"ulysses_degree": 2, "num_gpus": 2}, "--ulysses-degree 2"),
     "ring_degree": ({"ring_degree": 2, "num_gpus": 2}, "--ring-degree 2"),

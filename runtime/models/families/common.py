@@ -35,7 +35,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 import torch
 
-from tilecast.runtime.cache import ensure_model_dir, resolve_ref
+from tilecast.runtime.cache import check_weights_file, ensure_model_dir, resolve_ref
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 from tilecast.runtime.hub import local_dir
 from tilecast.runtime.models.families import images, tokenizers
@@ -220,6 +220,30 @@ class TinyCheckpoint:
         """
         assert resolve_ref(self.ref) is self, f"TinyCheckpoint {self.name}: ref {self.ref!r} names another object"
         return ensure_model_dir(self.name, f"{self.ref}.write", cache_dir)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyWeightsFile(TinyCheckpoint):
+    """A built-in checkpoint that is one ``.safetensors`` file in a folder, as a released single-file
+    transformer (FLUX.2-dev-NVFP4): ``build`` returns its tensors by name (under the seed)."""
+
+    file_name: str
+    """The file's name, as released."""
+
+    def write(self, target: Path) -> Path:
+        from safetensors.torch import save_file
+
+        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            tensors = self.build()
+        target.mkdir(parents=True)
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(target / self.file_name))
+        return target
+
+    def ensure(self, cache_dir: Path | None = None) -> Path:
+        """The folder holding the file, verified; generated when missing or broken (``TinyCheckpoint.ensure``)."""
+        assert resolve_ref(self.ref) is self, f"TinyWeightsFile {self.name}: ref {self.ref!r} names another object"
+        return ensure_model_dir(self.name, f"{self.ref}.write", cache_dir, structure=check_weights_file)
 
 
 def tiny_qwen_text_config(tokenizer, *, hidden_size: int) -> dict:
@@ -449,17 +473,24 @@ class DiffusersBatchPipeline(Pipeline):
 
     @classmethod
     def build_diffusers(
-        cls, model_path: str, device: torch.device, dtype: torch.dtype, host_components: tuple[str, ...] = ()
+        cls,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        host_components: tuple[str, ...] = (),
+        components: dict[str, Any] | None = None,
     ) -> Any:
         """The diffusers pipeline object on ``device`` in ``dtype``: what ``load`` wraps, and what
         ``tilecast.launcher.bench.peer`` calls directly (so both sides of a benchmark run the same networks).
-        ``host_components`` stay in host memory (the family offloads them: ``load_options``)."""
+        ``host_components`` stay in host memory (the family offloads them: ``load_options``);
+        ``components`` are networks already built that replace the checkpoint's own (FLUX.2-dev's
+        NVFP4 transformer)."""
         import diffusers
 
         path = cls.resolve_path(model_path)
         own = cls.own_components(path)  # loaded here, not by diffusers: it is told to skip them
         pipe = getattr(diffusers, cls.diffusers_class).from_pretrained(
-            str(path), dtype=dtype, local_files_only=True, **dict.fromkeys(own)
+            str(path), dtype=dtype, local_files_only=True, **dict.fromkeys(own), **(components or {})
         )
         if own:
             pipe.register_modules(**own)

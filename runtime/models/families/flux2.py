@@ -18,8 +18,9 @@ stores that tokenizer directly (byte-level, Mistral's control tokens and chat fo
 
 Defaults follow the FLUX.2-dev model card (black-forest-labs/FLUX.2-dev) and diffusers: 50 steps at
 ``guidance_scale`` 4.0, 512 text tokens. ``guidance_scale`` is an embedding, not classifier-free
-guidance: a request takes no ``negative_prompt``. FLUX.2-dev-NVFP4 (a folder of NVFP4 transformer
-weights only) routes here by its id and is refused at load, naming why (README, Models served).
+guidance: a request takes no ``negative_prompt``. FLUX.2-dev-NVFP4 (one file of BFL-format NVFP4
+transformer weights) is served here too: the base pipeline as ``--model-path``, the file as
+``--transformer-weights-path`` (``families.flux2_nvfp4``; built-in: ``tiny/flux.2-dev-nvfp4``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import logging
 import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tilecast.runtime.models.families import images, tokenizers
 from tilecast.runtime.models.families.common import DiffusersBatchPipeline, I2IParams, TinyCheckpoint
@@ -205,14 +208,42 @@ class Flux2T2IPipeline(Flux2ReferenceImages, DiffusersBatchPipeline):
     max_sequence_length = 512
     """diffusers' default (the released encoder's trained length for FLUX.2)."""
 
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {"transformer_weights_path"}
+
+    @staticmethod
+    def check_base(path: Path) -> None:
+        """``ValueError`` saying what to pass when ``path`` holds transformer weights alone (FLUX.2-dev-NVFP4)."""
+        if not (path / "model_index.json").is_file() and any(path.glob("*.safetensors")):
+            raise ValueError(
+                f"{path} holds only transformer weights (no model_index.json), as FLUX.2-dev-NVFP4 does: pass "
+                f"the base pipeline as --model-path and this as --transformer-weights-path (--model-path "
+                f"black-forest-labs/FLUX.2-dev --transformer-weights-path {path})"
+            )
+
     @classmethod
     def own_components(cls, path: Path) -> dict[str, Any]:
-        if not (path / "model_index.json").is_file() and any(path.glob("*nvfp4*.safetensors")):
-            raise ValueError(
-                f"{path} holds only FLUX.2-dev's NVFP4 transformer weights (no model_index.json); tilecast "
-                "does not load NVFP4 weights yet: serve black-forest-labs/FLUX.2-dev (README, Models served)"
-            )
+        cls.check_base(path)
         return {"tokenizer": chat_tokenizer(path / "tokenizer")}
+
+    @classmethod
+    def load_options(cls, ctx) -> dict[str, Any]:
+        weights = ctx.settings.transformer_weights_path
+        return {"transformer_weights_path": weights} if weights else {}
+
+    @classmethod
+    def build_diffusers(cls, model_path: str, device, dtype, transformer_weights_path: str | None = None) -> Any:
+        """The family's pipeline; with ``transformer_weights_path``, its transformer from that BFL
+        NVFP4 file (``families.flux2_nvfp4``) and the rest from ``model_path``."""
+        if transformer_weights_path is None:
+            return super().build_diffusers(model_path, device, dtype)
+        from tilecast.runtime.hub import local_dir
+        from tilecast.runtime.models.families import flux2_nvfp4
+
+        base = cls.resolve_path(model_path)
+        cls.check_base(base)  # before reading any weight
+        weights = local_dir(transformer_weights_path, flag="--transformer-weights-path")
+        transformer = flux2_nvfp4.load_transformer(weights, base, torch.device(device), dtype)
+        return super().build_diffusers(model_path, device, dtype, components={"transformer": transformer})
 
     def guidance_on(self, params) -> bool:
         return False  # guidance-distilled: guidance_scale is an embedding, not CFG
