@@ -110,6 +110,22 @@ def test_builtin_pair_serves_t2i_dequantized_on_cpu_and_says_so(served):
     assert "10 NVFP4 layers to float32 at load on cpu (cpu has no FP4 tensor cores)" in said[0]
 
 
+def test_merged_batch_and_reference_images_as_flux2_dev(served):
+    from tilecast.runtime.models.families import images
+
+    pipe, ctx, _log, image = served
+    fields = dict(width=32, height=32, num_inference_steps=2, return_tensor=True)
+    a = pipe.prepare(pipe.params_type(prompt="a harbour at dawn", seed=3, **fields), {})
+    b = pipe.prepare(pipe.params_type(prompt="a red cat", seed=4, **fields), {})
+    merged = pipe.run([WorkItem(job_id="a", params=a), WorkItem(job_id="b", params=b)], ctx)
+    assert merged[0].info["batch_size"] == 2
+    assert (merged[0].tensors["image"] - image).abs().max() <= 1e-4
+    uploads = {"image.0": images.example_image(64, 64)}
+    edit = pipe.prepare(pipe.params_type(prompt="make it blue", seed=3, **fields), uploads)
+    edited = pipe.run([WorkItem(job_id="edit", params=edit, uploads=uploads)], ctx)[0].tensors["image"]
+    assert edited.shape == (3, 32, 32) and (edited - image).abs().max() > 1e-3
+
+
 def _dequantized_base(tiny_cache, tmp_path):
     """``tiny/flux.2-dev`` whose transformer holds the NVFP4 file's weights, dequantized tensor by
     tensor with diffusers' ``dequantize_nvfp4`` and renamed by diffusers' BFL conversion."""
