@@ -44,3 +44,15 @@ def local_dir(model_path: str, flag: str = "--model-path") -> Path:
         ) from None
     except HfHubHTTPError as exc:
         raise ValueError(f"{flag} {model_path!r}: the Hub refused it ({exc})") from None
+
+
+def no_model_index(path: Path) -> str:
+    """Why ``path``, a folder without ``model_index.json``, is no diffusers pipeline; where it holds
+    ``.safetensors`` files, also where such single-file transformer weights go instead."""
+    single_file = (
+        "; single-file transformer weights (as FLUX.2-dev-NVFP4's) go to --transformer-weights-path, with "
+        "their base pipeline as --model-path"
+        if path.is_dir() and any(path.glob("*.safetensors"))
+        else ""
+    )
+    return f"{path} has no model_index.json: not a diffusers-format model directory{single_file}"

@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from tilecast.runtime.hub import local_dir
+from tilecast.runtime.hub import local_dir, no_model_index
 from tilecast.runtime.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
@@ -124,13 +124,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
         )
     index = path / "model_index.json"
     if not index.is_file():
-        single_file = (
-            "; single-file transformer weights (as FLUX.2-dev-NVFP4's) go to --transformer-weights-path, with "
-            "their base pipeline as --model-path"
-            if path.is_dir() and any(path.glob("*.safetensors"))
-            else ""
-        )
-        raise ValueError(f"{path} has no model_index.json: not a diffusers-format model directory{single_file}")
+        raise ValueError(no_model_index(path))
     try:
         class_name = json.loads(index.read_text())["_class_name"]
     except (json.JSONDecodeError, KeyError) as exc:

@@ -375,13 +375,15 @@ def model_limits(model_path: str | Path) -> ModelLimits:
     if name.startswith(("tiny/", "random/", "test/")) and not Path(model_path).exists():
         logger.debug("no head count known for built-in model %s", name)
         return ModelLimits()
-    from tilecast.runtime.hub import local_dir
+    from tilecast.runtime.hub import local_dir, no_model_index
 
     path = local_dir(str(model_path))
     config_path = path / "transformer" / "config.json"
     if not config_path.is_file():
         if not path.exists():
             raise ValueError(f"--model-path {str(model_path)!r} is neither {TINY_K6SR!r} nor an existing directory")
+        if not (path / "model_index.json").is_file() and any(path.glob("*.safetensors")):
+            raise ValueError(no_model_index(path))  # FLUX.2-dev-NVFP4's folder: says what to pass
         raise ValueError(f"{config_path} not found: cannot tell the DiT's attention heads; pass --num-heads")
     try:
         config = json.loads(config_path.read_text())

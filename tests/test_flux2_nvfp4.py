@@ -179,8 +179,11 @@ def test_base_model_path_and_transformer_weights_path_serve_the_same(served, tin
 def test_nvfp4_folder_alone_is_refused_saying_what_to_pass(tiny_cache, tmp_path):
     released = tmp_path / "FLUX.2-dev-NVFP4"  # the release: the transformer file alone
     shutil.copytree(TINY_FLUX2_NVFP4.ensure(tiny_cache), released)
-    with pytest.raises(ValueError, match="--transformer-weights-path, with their base pipeline as --model-path"):
-        resolve_pipeline(str(released))
+    from tilecast.runtime.topology import model_limits
+
+    for route in (resolve_pipeline, model_limits):  # the registry, and the launcher's head count before it
+        with pytest.raises(ValueError, match="--transformer-weights-path, with their base pipeline as --model-path"):
+            route(str(released))
     family = resolve_pipeline(str(released), model_id="black-forest-labs/FLUX.2-dev-NVFP4")
     assert family is Flux2T2IPipeline
     with pytest.raises(
