@@ -271,5 +271,6 @@ class Flux2NVFP4T2IPipeline(flux2.Flux2T2IPipeline):
         return flux2.TINY_FLUX2.ensure(cache_dir)
 
     @classmethod
-    def load_options(cls, ctx) -> dict[str, Any]:
-        return {"transformer_weights_path": ctx.settings.transformer_weights_path or str(cls.weights.ensure())}
+    def build_diffusers(cls, model_path: str, device, dtype, transformer_weights_path: str | None = None) -> Any:
+        weights = transformer_weights_path or str(cls.weights.ensure())  # also for the benchmarks' direct calls
+        return super().build_diffusers(model_path, device, dtype, transformer_weights_path=weights)
