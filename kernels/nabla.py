@@ -13,7 +13,8 @@ that are not multiples of 8), so ``S`` is always a multiple of 64 here.
 
 How the mask runs:
 
-- CUDA: ``torch.compile(flex_attention)`` with ``kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}``.
+- CUDA: ``torch.compile(flex_attention)`` with ``kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}``
+  (inside ``--compile``'s compiled blocks, the enclosing compile takes the same call).
   The mask's sparsity granularity is 64 tokens, and inductor's flex template refuses a tile that
   does not divide it ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N"), which is what
   the default 128-token tiles hit on Hopper. The kept blocks are all "full" blocks (no mask_mod is
@@ -127,9 +128,12 @@ def _eager_block_mask(mask):
 
 @functools.cache
 def _compiled_flex():
+    """flex attention compiled once per process. Default ``dynamic``: the sequence length becomes
+    symbolic after the first change, so tiles of other sizes or frame counts do not each compile
+    (and never hit the recompile limit, past which torch runs the uncompiled, dense-in-memory flex)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def flex_block_sparse(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +143,9 @@ def flex_block_sparse(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float) -> tuple[to
 
     if q_BHSD.device.type == "cuda":
         q_block, kv_block = mask.BLOCK_SIZE
-        out, aux = _compiled_flex()(
+        # Inside compiled DiT blocks (--compile) dynamo compiles flex_attention itself.
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+        out, aux = flex(
             q_BHSD,
             k_BHSD,
             v_BHSD,

@@ -17,7 +17,10 @@ therefore runs diffusers' processor with its attention call replaced by SDPA und
 that the BlockMask's block map spells (``to_dense``): the block-sparse result, computed independently
 of tilecast's flex path.
 
-Tolerance: fp32, ``ATOL = 1e-4`` on outputs of magnitude ~1 (measured with ``-s``).
+Tolerance: fp32, ``ATOL = 1e-4`` on the transformer's outputs (magnitude ~1). Measured (``-s``):
+tilecast's NABLA vs diffusers' block-sparse NABLA 8.3e-7 at density 0.558, while dense differs from
+it by 1.7e-2; diffusers' uncompiled flex vs dense 9.5e-7 (it is dense); Ulysses 2 vs one rank 0.0,
+TP 2 vs one rank 1.2e-6 (the row-parallel all-reduce).
 """
 
 from __future__ import annotations
@@ -175,51 +178,53 @@ def test_token_count_must_fill_blocks():
 
 
 # ----------------------------------------------------------------------------- parallel
-def _run_parallel(rank: int, world_size: int, checkpoint: str, tp: int, ulysses: int, ring: int) -> dict:
+def _run_parallel(rank: int, world_size: int, checkpoint: str, tp: int, ulysses: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tilecast.runtime.models.k6sr.attention import nabla_density, reset_nabla_stats
     from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (ring, ulysses, tp), mesh_dim_names=("ring", "ulysses", "tp"))
+    mesh = init_device_mesh("cpu", (1, ulysses, tp), mesh_dim_names=("ring", "ulysses", "tp"))
     model = _load(Path(checkpoint))
     reference, density = _tilecast(model, "nabla")
     groups = dit_groups_from_mesh(mesh)
-    try:
-        apply_dit_parallel(model, **groups, backend="nabla")
-    except ValueError as exc:
-        return {"refused": str(exc)}
-    from tilecast.runtime.models.k6sr.attention import nabla_density, reset_nabla_stats
-
+    apply_dit_parallel(model, **groups, backend="nabla")
     reset_nabla_stats(model)
     hidden_states, timestep = _inputs()
     with torch.no_grad():
         output = model(hidden_states, timestep).sample
-    local = nabla_density(model)
-    return {
+    result = {
         "err": (output - reference).abs().max().item(),
         "density": density,
         "parallel_density": nabla_density(model, [groups["tp_group"], groups["ulysses_group"]]),
-        "local_density": local,
+        "local_density": nabla_density(model),
     }
+    ring_mesh = init_device_mesh("cpu", (world_size, 1, 1), mesh_dim_names=("ring", "ulysses", "tp"))
+    try:  # the same ranks as a Ring group: refused before any exchange
+        apply_dit_parallel(_load(Path(checkpoint)), **dit_groups_from_mesh(ring_mesh), backend="nabla")
+    except ValueError as exc:
+        result["ring_refused"] = str(exc)
+    return result
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("tp", "ulysses"), [(1, 2), (2, 1)], ids=["ulysses2", "tp2"])
 def test_sharded_heads_match_one_rank(pruning_checkpoint, tp, ulysses):
     started = time.perf_counter()
-    results = run_ranks(_run_parallel, tp * ulysses, str(pruning_checkpoint), tp, ulysses, 1, timeout=120)
+    results = run_ranks(_run_parallel, tp * ulysses, str(pruning_checkpoint), tp, ulysses, timeout=120)
     print(f"tp {tp} ulysses {ulysses}: errors {[r['err'] for r in results]}, {time.perf_counter() - started:.1f}s")
     for rank, result in enumerate(results):
         assert result["err"] <= ATOL, (rank, result)
         assert 0 < result["density"] < 1
         # The ranks' heads together make the one-rank count.
         assert result["parallel_density"] == pytest.approx(result["density"], abs=1e-12), (rank, result)
+        assert "--attention-backend nabla with --ring-degree" in result["ring_refused"], (rank, result)
     assert sum(r["local_density"] for r in results) / len(results) == pytest.approx(results[0]["density"])
 
 
-@pytest.mark.timeout(60)
-def test_ring_is_refused_naming_both_flags(pruning_checkpoint, tmp_path):
+def test_ring_is_refused_naming_both_flags(tmp_path):
+    """At preflight (topology rules) and at load; ``apply_dit_parallel`` too (in the sharded test)."""
     from tests.harness import make_context
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
     from tilecast.runtime.topology import kernel_errors
@@ -230,8 +235,6 @@ def test_ring_is_refused_naming_both_flags(pruning_checkpoint, tmp_path):
     (error,) = kernel_errors(ring_degree=2, attention_backend="nabla")
     assert "--attention-backend nabla" in error and "--ring-degree" in error
     assert kernel_errors(ring_degree=1, attention_backend="nabla") == []
-    (result,) = [r for r in run_ranks(_run_parallel, 2, str(pruning_checkpoint), 1, 1, 2, timeout=50)][:1]
-    assert "--attention-backend nabla with --ring-degree" in result["refused"]
 
 
 def test_other_models_refuse_nabla(tmp_path):
@@ -298,3 +301,12 @@ def test_served_job_reports_density(checkpoint, pruning_checkpoint, tmp_path):
             assert "nabla_density" not in output.info
     assert frames["nabla"].shape == frames[None].shape == (1, 128, 256, 3)
     assert (frames["nabla"] - frames[None]).abs().max() > 0
+
+
+def test_bench_k6sr_takes_the_backend_and_refuses_unknown_names():
+    from typer.testing import CliRunner
+
+    from tilecast.launcher import cli
+
+    result = CliRunner().invoke(cli.app, ["bench", "k6sr", "--attention-backend", "nope", "--peer", "none"])
+    assert result.exit_code != 0 and "unknown attention backend 'nope'" in result.output
