@@ -136,6 +136,17 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+@torch.compiler.disable  # under --compile on the CPU too: inductor's CPU flex has no lse and fails on these masks
+def _eager_flex(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float):
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    with warnings.catch_warnings():  # eager on purpose: the block map's mask_mod makes it exact
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(
+            q_BHSD, k_BHSD, v_BHSD, block_mask=_eager_block_mask(mask), scale=scale, return_aux=AuxRequest(lse=True)
+        )
+
+
 def flex_block_sparse(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHSD, lse_BHS)`` of flex attention under the block mask ``mask`` (see the module
     docstring for CUDA vs eager)."""
@@ -155,11 +166,7 @@ def flex_block_sparse(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float) -> tuple[to
             kernel_options={"BLOCK_M": min(q_block, 64), "BLOCK_N": min(kv_block, 64)},
         )
     else:
-        with warnings.catch_warnings():  # eager on purpose: small shapes, or no compiler for this device
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out, aux = flex_attention(
-                q_BHSD, k_BHSD, v_BHSD, block_mask=_eager_block_mask(mask), scale=scale, return_aux=AuxRequest(lse=True)
-            )
+        out, aux = _eager_flex(q_BHSD, k_BHSD, v_BHSD, mask, scale=scale)
     return out, aux.lse.float()
 
 
