@@ -147,24 +147,29 @@ def _eager_flex(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float):
         )
 
 
+def compiled_flex_kwargs(mask, scale: float) -> dict:
+    """The compiled kernel's keyword arguments: the mask as diffusers builds it, the lse, and kernel
+    tiles that divide the mask's blocks (64 where the default would be 128)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    q_block, kv_block = mask.BLOCK_SIZE
+    return {
+        "block_mask": mask,
+        "scale": scale,
+        "return_aux": AuxRequest(lse=True),
+        "kernel_options": {"BLOCK_M": min(q_block, 64), "BLOCK_N": min(kv_block, 64)},
+    }
+
+
 def flex_block_sparse(q_BHSD, k_BHSD, v_BHSD, mask, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHSD, lse_BHS)`` of flex attention under the block mask ``mask`` (see the module
     docstring for CUDA vs eager)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if q_BHSD.device.type == "cuda":
-        q_block, kv_block = mask.BLOCK_SIZE
         # Inside compiled DiT blocks (--compile) dynamo compiles flex_attention itself.
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        out, aux = flex(
-            q_BHSD,
-            k_BHSD,
-            v_BHSD,
-            block_mask=mask,
-            scale=scale,
-            return_aux=AuxRequest(lse=True),
-            kernel_options={"BLOCK_M": min(q_block, 64), "BLOCK_N": min(kv_block, 64)},
-        )
+        out, aux = flex(q_BHSD, k_BHSD, v_BHSD, **compiled_flex_kwargs(mask, scale))
     else:
         out, aux = _eager_flex(q_BHSD, k_BHSD, v_BHSD, mask, scale=scale)
     return out, aux.lse.float()

@@ -310,3 +310,21 @@ def test_bench_k6sr_takes_the_backend_and_refuses_unknown_names():
 
     result = CliRunner().invoke(cli.app, ["bench", "k6sr", "--attention-backend", "nope", "--peer", "none"])
     assert result.exit_code != 0 and "unknown attention backend 'nope'" in result.output
+
+
+def test_the_cuda_call_is_a_valid_flex_call():
+    """The compiled CUDA path cannot run here; its arguments go through PyTorch's flex API on the CPU
+    (eagerly: the kernel tiles are then unused and the block lists ignored, so only the API is checked)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tilecast.kernels.nabla import compiled_flex_kwargs, nabla_block_mask
+
+    q, k, v = (torch.randn(1, 2, 128, 8) for _ in range(3))
+    kwargs = compiled_flex_kwargs(nabla_block_mask(q, k, torch.eye(2, dtype=torch.bool), 0.5), 0.25)
+    assert kwargs["kernel_options"] == {"BLOCK_M": 64, "BLOCK_N": 64}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, aux = flex_attention(q, k, v, **kwargs)
+    assert out.shape == q.shape and aux.lse.shape == (1, 2, 128)
