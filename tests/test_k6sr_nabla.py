@@ -328,3 +328,12 @@ def test_the_cuda_call_is_a_valid_flex_call():
         warnings.simplefilter("ignore")
         out, aux = flex_attention(q, k, v, **kwargs)
     assert out.shape == q.shape and aux.lse.shape == (1, 2, 128)
+
+
+def test_each_call_logs_its_density_at_debug(pruning_checkpoint, caplog):
+    model = _load(pruning_checkpoint)
+    with caplog.at_level("DEBUG", logger="tilecast.runtime.models.k6sr.attention"):
+        _, density = _tilecast(model, "nabla")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nabla: kept")]
+    assert len(lines) == 2  # one per block's attention call
+    assert all("of 768 blocks" in line for line in lines), lines  # 12 heads x 8 x 8 blocks
