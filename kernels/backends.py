@@ -14,6 +14,9 @@ Names:
   ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``  PyTorch's CUDA kernels, called through
                       their ``torch.ops.aten`` entry points with the log-sum-exp requested.
   ``fa``              flash-attn (optional dependency, ``pip install "tilecast[flash]"``).
+``nabla`` (Kandinsky 6 SR's block-sparse attention, ``kernels/nabla.py``) is a name the capability
+table knows but not a registered kernel: it needs the model's mask, so only K6 SR's processor runs
+it, and ``resolve_backend("nabla")`` says so.
 Aliases (the reference picker's ids): ``torch_sdpa`` → best available ``sdpa_*`` for the device;
 ``flash_attn`` → ``fa``.
 """
@@ -120,6 +123,8 @@ def resolve_backend(name: str | None, device: torch.device | str, dtype: torch.d
             reasons.append(reason)
         raise BackendUnavailableError(f"no {key!r} attention backend can run here: {'; '.join(reasons)}")
     backend = _REGISTRY.get(key)
+    if backend is None and caps.model_attention(key) is not None:
+        raise ValueError(caps.model_attention_message(key))  # e.g. nabla: its model's processor runs it
     if backend is None:
         raise ValueError(caps.unknown_backend_message(name))
     reason = backend.unavailable_reason(device, dtype)

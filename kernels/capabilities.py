@@ -6,7 +6,9 @@ before any rank (or torch) starts. A backend registered at run time with ``regis
 declares its traits here too, so both halves always describe the same set of names.
 
 Ring attention (``kernels/ring.py``) merges the partial results of the K/V chunks by their
-log-sum-exp, so it runs on any backend that returns one; that is the only thing it needs.
+log-sum-exp, so it runs on any backend that returns one; that is the only thing it needs. A
+model's own structured attention (``nabla``: Kandinsky 6 SR's block-sparse mask) is named here too,
+with the model that serves it and why Ring cannot run it; ``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -24,15 +26,28 @@ class BackendTraits:
     """Device types it runs on (``"cpu"``, ``"cuda"``)."""
     returns_lse: bool = True
     """It returns the log-sum-exp of each query row with the output."""
+    model: str | None = None
+    """The one model whose attention this is (its own mask, built from the model's inputs), which
+    only that model's pipeline serves; ``None`` for a general kernel."""
+    ring_refusal: str | None = None
+    """Why Ring attention cannot run it although it returns the log-sum-exp (``None``: nothing)."""
 
     @property
     def supports_ring(self) -> bool:
-        """Ring attention merges chunk results by their log-sum-exp: any backend returning it works."""
-        return self.returns_lse
+        """Ring attention merges chunk results by their log-sum-exp: any backend returning it works
+        (unless it says why not)."""
+        return self.returns_lse and self.ring_refusal is None
 
 
 _CPU_CUDA = frozenset({"cpu", "cuda"})
 _CUDA = frozenset({"cuda"})
+
+NABLA_RING_REFUSAL = (
+    "--attention-backend nabla with --ring-degree above 1 is not supported: NABLA picks each query block's "
+    "key blocks from all key blocks at once, and a Ring rank holds only a chunk of the keys; shard NABLA with "
+    "--ulysses-degree or --tp-size, or run Ring with a dense --attention-backend"
+)
+"""Why Ring cannot run ``nabla`` (``kernels/nabla.py``)."""
 
 _TRAITS: dict[str, BackendTraits] = {
     t.name: t
@@ -44,6 +59,7 @@ _TRAITS: dict[str, BackendTraits] = {
         BackendTraits(name="sdpa_flash", devices=_CUDA),
         BackendTraits(name="sdpa_efficient", devices=_CUDA),
         BackendTraits(name="fa", devices=_CUDA),
+        BackendTraits(name="nabla", devices=_CPU_CUDA, model="Kandinsky 6 SR", ring_refusal=NABLA_RING_REFUSAL),
     )
 }
 """Every registered backend's traits, by name (the built-in kernels of ``kernels/backends.py``)."""
@@ -87,6 +103,22 @@ def backend_names() -> list[str]:
     return sorted(_TRAITS) + list(SELECTORS) + sorted(ALIASES)
 
 
+def model_attention(name: str | None) -> str | None:
+    """The model whose own attention ``--attention-backend name`` is (``nabla``: Kandinsky 6 SR),
+    ``None`` for a general kernel, a selector or an unknown name."""
+    found = None if name is None else _TRAITS.get(ALIASES.get(name, name))
+    return None if found is None else found.model
+
+
+def model_attention_message(name: str) -> str:
+    """The one message for a model's own attention asked of another model or of ``attention()``."""
+    return (
+        f"--attention-backend {name} is {model_attention(name)}'s own block-sparse attention (its mask comes "
+        f"from that model's token layout); no other model serves it: choose a dense backend "
+        f"({', '.join(n for n in sorted(_TRAITS) if _TRAITS[n].model is None)}) or leave it unset"
+    )
+
+
 def unknown_backend_message(name: str) -> str:
     """The one message for a backend name nobody registered."""
     return f"unknown attention backend {name!r}; valid names: {', '.join(backend_names())}"
@@ -119,6 +151,9 @@ def ring_problem(name: str | None) -> str | None:
     unable = [n for n in names if not traits(n).supports_ring]
     if not unable:
         return None
+    refusals = [traits(n).ring_refusal for n in unable if traits(n).ring_refusal]
+    if refusals:
+        return refusals[0]
     shown = "auto" if name is None else name
     return (
         f"Ring attention merges partial results by their log-sum-exp, which --attention-backend {shown} "

@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import msgspec
 
-from tilecast.runtime.config import ServeConfig, check_honoured
+from tilecast.runtime.config import ServeConfig, UnsupportedSettingError, check_honoured
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,9 @@ class Pipeline(ABC):
     from its default stops start-up on every rank (``check_settings``), never silently ignored."""
     unsupported_reasons: ClassVar[dict[str, str]] = {}
     """Field name → why this pipeline cannot honour it (added to the refusal)."""
+    model_attention_backends: ClassVar[frozenset[str]] = frozenset()
+    """The model-specific ``--attention-backend`` names this pipeline serves (``kernels/capabilities.py``
+    marks them with their model, e.g. ``nabla`` for Kandinsky 6 SR); any other pipeline refuses them."""
 
     @classmethod
     def check_settings(cls, settings: ServeConfig, model_path: str | None = None) -> None:
@@ -267,6 +270,15 @@ class Pipeline(ABC):
             model=model_path,
             reasons=cls.unsupported_reasons,
         )
+        backend = getattr(settings, "attention_backend", None)
+        if backend not in cls.model_attention_backends:
+            from tilecast.kernels import capabilities
+
+            if capabilities.model_attention(backend) is not None:
+                raise UnsupportedSettingError(
+                    f"{capabilities.model_attention_message(backend)} ({model_path or settings.model_path} is "
+                    f"served by {getattr(cls, 'family', cls.__name__)})"
+                )
 
     @abstractmethod
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:

@@ -45,6 +45,14 @@ def k6sr(
     compile_blocks: Annotated[
         bool, typer.Option("--compile", help="torch.compile tilecast's DiT blocks (compile time is in the warm-up).")
     ] = False,
+    attention_backend: Annotated[
+        Optional[str],
+        typer.Option(
+            "--attention-backend",
+            help="tilecast's attention: a dense kernel (default: the fastest) or nabla (NABLA block-sparse; "
+            "its rows carry nabla_density, the kept fraction of blocks).",
+        ),
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
 ) -> None:
     """Released-size Kandinsky 6 SR (random weights): tilecast vs diffusers' pipeline, per stage."""
@@ -55,18 +63,24 @@ def k6sr(
         raise typer.BadParameter(f"--peer {peer!r}: choose diffusers or none")
     try:  # a ValueError names the bad option (or the missing GPU)
         rows = bench_k6sr(
-            list(workload), peer=None if peer == "none" else peer, repeats=repeats, compile_blocks=compile_blocks
+            list(workload),
+            peer=None if peer == "none" else peer,
+            repeats=repeats,
+            compile_blocks=compile_blocks,
+            attention_backend=attention_backend,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     columns = [
         "workload",
         "side",
+        "attention",
         "e2e_s",
         *(f"{s}_s" for s in (*STAGES, "other")),
         "peak_reserved_gib",
         "ratio_vs_diffusers",
         "psnr_vs_diffusers_db",
+        *(["nabla_density"] if any("nabla_density" in row for row in rows) else []),
     ]
     _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)
 

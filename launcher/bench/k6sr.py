@@ -15,6 +15,14 @@ diffusers' attention is swapped for plain dense ``F.scaled_dot_product_attention
 its kernel), so both compute the same dense attention; tilecast uses its own attention entry point, its channels-last VAE decode
 (``vae_decode.py``) and, with ``--compile``, compiled DiT blocks.
 
+``--attention-backend nabla`` runs tilecast's side on NABLA (diffusers' released block-sparse
+attention with the config's ``nabla_threshold`` / ``nabla_window``; the peer stays dense SDPA, so the
+ratio is NABLA against dense and the PSNR is NABLA's departure from dense). Each NABLA row carries
+``nabla_density``, the kept fraction of attention blocks over the timed request: with random
+weights the attention is near-uniform and NABLA keeps most blocks, more than a trained checkpoint
+would (issue 24 records 84-93% on these workloads), so a NABLA time means little without its
+density.
+
 Stage times come from synchronized wrappers around the shared modules (VAE encode/decode,
 latent upscaler, DiT), identical for both sides; "other" is the rest of the end-to-end time.
 """
@@ -148,17 +156,32 @@ class Measurement:
     peak_reserved_gib: float
     peak_allocated_gib: float
     output: torch.Tensor
+    nabla_density: float | None = None
 
 
-def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: StageTimer, repeats: int) -> Measurement:
+def _measure(
+    side: str,
+    workload: str,
+    run: Callable[[], torch.Tensor],
+    timer: StageTimer,
+    repeats: int,
+    transformer: Any = None,
+) -> Measurement:
     """One warm-up request, then ``repeats`` timed ones; the row is the low-median request, its stage
-    times and "other" (the rest of its end-to-end time)."""
+    times and "other" (the rest of its end-to-end time). ``transformer``: tilecast's DiT, whose NABLA
+    density over the row's request goes into the row (``None`` when it ran no NABLA call)."""
+    from tilecast.runtime.models.k6sr.attention import nabla_density, reset_nabla_stats
+
     stage_runs: list[dict[str, float]] = []
+    densities: list[float | None] = []
 
     def request() -> torch.Tensor:
         timer.reset()
+        if transformer is not None:
+            reset_nabla_stats(transformer)
         output = run()
         stage_runs.append(dict(timer.times))
+        densities.append(nabla_density(transformer) if transformer is not None else None)
         return output
 
     timing = time_repeated(
@@ -166,7 +189,7 @@ def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: S
         repeats=repeats,
         warmup=1,
         device="cuda",
-        after_warmup=lambda: (stage_runs.clear(), torch.cuda.reset_peak_memory_stats()),
+        after_warmup=lambda: (stage_runs.clear(), densities.clear(), torch.cuda.reset_peak_memory_stats()),
     )
     best = timing.median_low_index
     stages = dict(stage_runs[best])
@@ -179,6 +202,7 @@ def _measure(side: str, workload: str, run: Callable[[], torch.Tensor], timer: S
         peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
         output=timing.result.float().cpu(),
+        nabla_density=densities[best],
     )
 
 
@@ -254,12 +278,14 @@ def bench_k6sr(
     repeats: int = 1,
     seed: int = 42,
     compile_blocks: bool = False,
+    attention_backend: str | None = None,
 ) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
 
-    diffusers runs every workload first, then tilecast installs its fast paths (its attention, its
-    channels-last VAE decode, which makes the decoder's weights channels-last in place, and with
-    ``compile_blocks`` the compiled DiT blocks) and runs them again."""
+    diffusers runs every workload first, then tilecast installs its fast paths (its attention on
+    ``attention_backend``, ``None`` for the fastest dense kernel or ``"nabla"``; its channels-last VAE
+    decode, which makes the decoder's weights channels-last in place; with ``compile_blocks`` the
+    compiled DiT blocks) and runs them again."""
     from tilecast.runtime.models.k6sr.attention import install_dense_attention
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
@@ -268,6 +294,10 @@ def bench_k6sr(
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"--workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
+    if attention_backend is not None:
+        from tilecast.kernels import capabilities
+
+        capabilities.candidates(attention_backend)  # ValueError naming the valid ones
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench k6sr needs a CUDA GPU (the released-size model is ~1.5B parameters)")
     device = torch.device("cuda")
@@ -283,14 +313,19 @@ def bench_k6sr(
                     "diffusers", name, functools.partial(run_diffusers, parts, frames[name], seed), timer, repeats
                 )
                 torch.cuda.empty_cache()
-        install_dense_attention(parts.transformer)
+        install_dense_attention(parts.transformer, backend=attention_backend)
         parts.decoder = ChannelsLastDecoder(parts.vae)
         timer.wrap(parts.decoder, "decode", "decode")
         if compile_blocks:
             parts.transformer.compile_repeated_blocks()
         for name in workloads:
             measured[name, "tilecast"] = _measure(
-                "tilecast", name, functools.partial(run_tilecast, parts, frames[name], seed), timer, repeats
+                "tilecast",
+                name,
+                functools.partial(run_tilecast, parts, frames[name], seed),
+                timer,
+                repeats,
+                transformer=parts.transformer,
             )
             torch.cuda.empty_cache()
     finally:
@@ -309,7 +344,10 @@ def bench_k6sr(
                 **{f"{k}_s": v for k, v in m.stages_s.items()},
                 "peak_reserved_gib": m.peak_reserved_gib,
                 "peak_allocated_gib": m.peak_allocated_gib,
+                "attention": (attention_backend or "auto") if side == "tilecast" else "sdpa",
             }
+            if m.nabla_density is not None:
+                row["nabla_density"] = m.nabla_density
             if side == "tilecast" and reference is not None:
                 row["ratio_vs_diffusers"] = ratio(m.e2e_s, reference.e2e_s)
                 row["psnr_vs_diffusers_db"] = (

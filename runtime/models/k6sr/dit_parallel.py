@@ -13,7 +13,9 @@ diffusers' ``Kandinsky6SRTransformer3DModel.forward`` patchifies, builds the fp3
 - ``K6SR_TP_PLAN``: Q/K/V and the FF input projection column-parallel, the attention output
   projection and the FF output projection row-parallel (one all-reduce per attention and per FF).
 
-The attention layers run ``runtime/models/k6sr/attention.py``'s ``K6SRDenseAttnProcessor``; each forward,
+The attention layers run ``runtime/models/k6sr/attention.py``'s ``K6SRDenseAttnProcessor`` (dense, or
+NABLA with ``--attention-backend nabla``: Ulysses and TP split heads, and NABLA's mask is per head,
+so it composes with both; Ring is refused, ``kernels.nabla.RING_REFUSAL``); each forward,
 block 0's pre-hook gives every processor an ``AttentionParallel`` carrying the true token count, so
 a sequence that does not divide by the SP degree is zero-padded and the padded keys are masked.
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tilecast.kernels.collectives import AttentionParallel, gather_sequence, shard_sequence
+from tilecast.kernels.nabla import NABLA, RING_REFUSAL
 from tilecast.kernels.tp import parallelize_linears
 
 logger = logging.getLogger(__name__)
@@ -148,7 +151,7 @@ def _dense_processors(transformer: nn.Module, backend: str | None) -> list[Any]:
     if not layers:
         raise ValueError(f"{type(transformer).__name__} has no Kandinsky6SRAttention layers")
     if not all(isinstance(layer.processor, K6SRDenseAttnProcessor) for layer in layers):
-        logger.info("installing the dense attention processor (NABLA sparse attention is not sequence-parallel)")
+        logger.info("installing tilecast's attention processor (diffusers' NABLA processor is not sequence-parallel)")
         install_dense_attention(transformer, backend=backend)
     processors = [layer.processor for layer in layers]
     if backend is not None:
@@ -207,6 +210,8 @@ def apply_dit_parallel(
     tp, ulysses, ring = _group_size(tp_group), _group_size(ulysses_group), _group_size(ring_group)
     _check_divisible(transformer, tp, ulysses)
     processors = _dense_processors(transformer, backend)
+    if ring > 1 and any(processor.backend == NABLA for processor in processors):
+        raise ValueError(RING_REFUSAL)
 
     if tp > 1:
         parallelize_linears(transformer, tp_plan, tp_group)

@@ -10,7 +10,10 @@ pipeline setting away from its default is refused at load):
 
 - ``dtype``: float32 (the CPU default), bfloat16 (the CUDA default) or float16;
 - ``allowed_video_dirs``: directories ``video_path`` may point into (none: uploads only);
-- ``attention_backend``: passed to ``tilecast.kernels.attention``;
+- ``attention_backend``: passed to ``tilecast.kernels.attention``; ``nabla`` (opt-in) runs
+  diffusers' NABLA block-sparse attention with the checkpoint's ``nabla_threshold`` /
+  ``nabla_window`` (``kernels/nabla.py``; not with Ring), and each job's ``info`` then carries
+  ``nabla_density``, the kept fraction of attention blocks over all its DiT calls and heads;
 - ``tp_size``, ``ulysses_degree``, ``ring_degree``: the DiT's sharding (``dit_parallel``; the mesh
   groups come from ``RankContext.groups``);
 - ``vae`` (``--vae-config.*``), ``tile_parallel``: how tiles are spread over the ranks
@@ -37,10 +40,11 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from tilecast.kernels.nabla import NABLA, RING_REFUSAL
 from tilecast.runtime.allowed_files import open_allowed
 from tilecast.runtime.hub import local_dir
 from tilecast.runtime.models.k6sr import video_io
-from tilecast.runtime.models.k6sr.attention import install_dense_attention
+from tilecast.runtime.models.k6sr.attention import install_dense_attention, nabla_density, reset_nabla_stats
 from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.models.k6sr.loading import K6SRComponents, load_components, parse_dtype
 from tilecast.runtime.models.k6sr.params import (
@@ -146,6 +150,7 @@ class K6SRPipeline(Pipeline):
             "use_fsdp_inference",
         }
     )
+    model_attention_backends: ClassVar[frozenset[str]] = frozenset({NABLA})
     unsupported_reasons: ClassVar[dict[str, str]] = {
         "quantize": "its DiT is attention-bound, so its linear layers run in --dtype",
         "cuda_graphs": "one DiT call is seconds of GPU work, so there is no launch overhead to remove",
@@ -169,6 +174,8 @@ class K6SRPipeline(Pipeline):
     def load(cls, model_path: str, ctx: RankContext) -> "K6SRPipeline":
         settings = ctx.settings
         cls.check_settings(settings, model_path)
+        if settings.attention_backend == NABLA and settings.ring_degree > 1:
+            raise ValueError(RING_REFUSAL)
         dtype = parse_dtype(settings.resolved_dtype)
         video_io.require_encoders()
         if model_path == TINY_MODEL:
@@ -190,6 +197,13 @@ class K6SRPipeline(Pipeline):
         if settings.compile:
             parts.transformer.compile_repeated_blocks()  # last: after parallel hooks and placement
         return pipeline
+
+    def _head_groups(self) -> list[Any]:
+        """The DiT's process groups whose ranks hold other heads of the same attention calls."""
+        if self.ctx.groups is None:
+            return []
+        groups = dit_groups_from_mesh(self.ctx.groups.mesh)
+        return [groups["tp_group"], groups["ulysses_group"]]
 
     def fast_decode_applies(self) -> bool:
         """Whether tilecast's channels-last VAE decode can replace diffusers' here: asked for
@@ -284,6 +298,9 @@ class K6SRPipeline(Pipeline):
         timings: dict[str, float] = {}
 
         started = time.perf_counter()
+        nabla = self.ctx.settings.attention_backend == NABLA
+        if nabla:
+            reset_nabla_stats(self.parts.transformer)
         # Served: the scheduler sends a video_path's bytes, read from the file opened at submit.
         upload = item.uploads.get("video")
         source: video_io.VideoSource = upload if upload is not None else params.video_path
@@ -314,6 +331,8 @@ class K6SRPipeline(Pipeline):
                 "source_num_frames": clip.source_num_frames,
             }
         )
+        if nabla:  # every rank runs this: the Ulysses/TP ranks sum their heads' counts
+            output.info["nabla_density"] = nabla_density(self.parts.transformer, self._head_groups())
         if params.return_frames:
             output.tensors["frames"] = frames_FHWC
         if ctx.is_output_rank:
