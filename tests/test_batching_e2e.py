@@ -148,8 +148,8 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         ("tiny/wan2.2-i2v-a14b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
         ("tiny/wan2.2-ti2v-5b", {"num_frames": 5}, "video/mp4"),
         ("tiny/wan2.2-ti2v-5b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
-        # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 gives NaN on
-        # Qwen-Image's schedule). Edit Plus serves one request per call.
+        # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 is refused under
+        # Qwen-Image's shift_terminal schedule). Edit Plus serves one request per call.
         ("tiny/qwen-image-edit", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
         ("tiny/qwen-image-edit-2511", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
     ],

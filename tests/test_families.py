@@ -575,6 +575,8 @@ def test_ernie_checkpoint_with_a_prompt_enhancer_loads_without_it(tiny_cache, tm
         ("tiny/ernie-image-turbo", {"negative_prompt": "x"}, "negative_prompt cannot be used by ernie-image-turbo"),
         ("tiny/wan2.1-t2v", {"num_frames": 6}, "num_frames must be 4k+1"),
         ("tiny/wan2.1-t2v", {"output_format": "png"}, "output_format must be one of mp4"),
+        ("tiny/qwen-image", {"num_inference_steps": 1}, "num_inference_steps must be in 2..1000 for qwen-image"),
+        ("tiny/ltx-2", {"num_inference_steps": 1}, "one step is 0/0 in its scheduler's shift_terminal stretch"),
     ],
 )
 def test_prepare_refuses_bad_requests_naming_the_field(name, fields, message, loaded):
@@ -582,6 +584,18 @@ def test_prepare_refuses_bad_requests_naming_the_field(name, fields, message, lo
     fields = {"prompt": "x", **fields}
     with pytest.raises(ValueError, match=re.escape(message)):
         pipe.prepare(pipe.params_type(**fields), {})
+
+
+@pytest.mark.parametrize(("name", "steps"), [("tiny/flux", 1), ("tiny/qwen-image", 2)])
+def test_the_health_generation_runs_the_fewest_steps_that_give_an_image(name, steps, loaded):
+    """One step where the schedule allows it; two under a ``shift_terminal`` stretch, whose one-step
+    schedule diffusers computes as 0/0 (NaN): the request the health probe sends must be valid."""
+    pipe, ctx = loaded(name)
+    fields, uploads = pipe.health_request()
+    assert fields["num_inference_steps"] == steps == pipe.min_steps
+    params = params_for(pipe, **fields, return_tensor=True)  # at 32 x 32
+    (output,) = pipe.run([WorkItem(job_id="health", params=params, uploads=uploads)], ctx)
+    assert torch.isfinite(output.tensors["image"]).all()
 
 
 def test_unknown_fields_are_refused():

@@ -595,8 +595,11 @@ class DiffusersBatchPipeline(Pipeline):
                     f" for {self.family}, got {value}"
                 )
         steps = params.num_inference_steps if params.num_inference_steps is not None else self.default_steps
-        if not 1 <= steps <= MAX_STEPS:
-            raise ValueError(f"num_inference_steps must be in 1..{MAX_STEPS}, got {steps}")
+        if not self.min_steps <= steps <= MAX_STEPS:
+            why = (
+                f" for {self.family} (one step is 0/0 in its scheduler's shift_terminal stretch)" if steps == 1 else ""
+            )
+            raise ValueError(f"num_inference_steps must be in {self.min_steps}..{MAX_STEPS}{why}, got {steps}")
         guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
         if not 0.0 <= guidance <= 100.0:
             raise ValueError(f"guidance_scale must be in 0..100, got {guidance}")
@@ -754,9 +757,17 @@ class DiffusersBatchPipeline(Pipeline):
             return {}
         return {name: images.example_image() for name in images.upload_names(self.min_images)}
 
+    @property
+    def min_steps(self) -> int:
+        """Fewest ``num_inference_steps``: 2 where the scheduler stretches its schedule to a
+        ``shift_terminal`` (Qwen-Image, LTX-2): diffusers' one-step schedule is then 0/0, NaN sigmas
+        and a NaN image."""
+        return 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
+
     def health_request(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """One denoising step at the request defaults' size (with ``example_uploads``)."""
-        return {"prompt": "health check", "num_inference_steps": 1, "seed": 0}, self.example_uploads()
+        """The fewest denoising steps at the request defaults' size (with ``example_uploads``)."""
+        fields = {"prompt": "health check", "num_inference_steps": self.min_steps, "seed": 0}
+        return fields, self.example_uploads()
 
     def use_lora(self, params) -> None:
         """Bring the weights to the request's LoRA state (``lora``/``lora_path``/``lora_scale``/
