@@ -105,7 +105,14 @@ from tilecast.runtime.models.k6sr.tile_parallel import select_decode_mode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_ROWS_PER_SHARD", "ShardedWanDecode", "decode_spatial_shard", "install", "sharded_wan_decoder"]
+__all__ = [
+    "MIN_ROWS_PER_SHARD",
+    "ShardedWanDecode",
+    "decode_group",
+    "decode_spatial_shard",
+    "install",
+    "sharded_wan_decoder",
+]
 
 ROW_DIM = 3
 """The row dim of ``BCTHW`` tensors (``x_NCHW``: 2)."""
@@ -296,12 +303,12 @@ class ShardedWanDecode:
         return f"ShardedWanDecode(group of {group_size(self.group)} ranks)"
 
 
-def install(vae, ctx, family: str = "wan") -> bool:
-    """Make ``vae.decode`` the sharded decode over ``ctx.groups.decode_group`` when
-    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
-    whether it did. Reads ``ctx.settings.vae`` (the other ``--vae-config.*`` settings are refused
-    by the family's ``load`` before this runs); warns (rank 0) when the decode group has one rank.
-    ``family`` names the family in the log lines. Raises ``ValueError`` for a decode mode other
+def decode_group(ctx, family: str):
+    """The group a family's spatial-shard VAE decode splits over: ``ctx.groups.decode_group`` (the
+    ranks of one DP replica) when ``--vae-config.use-parallel-decode`` asks for it and the group
+    has more than one rank, else None. Reads ``ctx.settings.vae`` (the other ``--vae-config.*``
+    settings are refused by the family's ``load`` before this runs); warns (rank 0, naming
+    ``family``) when the decode group has one rank. Raises ``ValueError`` for a decode mode other
     than ``spatial_shard``."""
     vae_settings = ctx.settings.vae
     group = ctx.groups.decode_group if ctx.groups is not None else None
@@ -315,8 +322,16 @@ def install(vae, ctx, family: str = "wan") -> bool:
                 "--ring-degree or --tp-size",
                 family,
             )
-    if mode != "spatial_shard":
+    return group if mode == "spatial_shard" else None
+
+
+def install(vae, ctx, family: str = "wan") -> bool:
+    """Make ``vae.decode`` the sharded decode over the decode group (:func:`decode_group`) when
+    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
+    whether it did. ``family`` names the family in the log lines."""
+    group = decode_group(ctx, family)
+    if group is None:
         return False
     vae.decode = ShardedWanDecode(vae, group)
-    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, num_ranks)
+    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
     return True

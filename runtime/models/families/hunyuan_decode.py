@@ -1,0 +1,317 @@
+"""Parallel HunyuanVideo VAE decode: each rank of the decode group decodes a band of rows.
+
+Legend: ``latents_BCTHW`` (batch, latent channels, latent frames, rows, cols); ``x_BCTHW`` a
+decoder feature map; ``video_BCFHW`` decoded pixels (frames F).
+
+The same split as Wan's (``wan_decode``: rows, not frames, because every causal conv looks back
+through all earlier frames), for ``AutoencoderKLHunyuanVideo``. Its decoder runs on the whole clip
+at once (diffusers' ``_temporal_tiled_decode`` cuts clips of more than 4 latent frames into
+overlapping temporal tiles of 5 and blends them in time: per pixel, so per band), with no feature
+cache. What mixes rows, and what :func:`sharded_hunyuan_decoder` does about it for the duration
+of the call (forwards swapped on the instances, restored after, also after an error):
+
+- ``HunyuanVideoCausalConv3d`` with a 3x3 spatial kernel: the layer pads time causally and rows
+  and columns by one with *replicate* padding, then runs an unpadded ``Conv3d``. The row padding is
+  set to 0 and the band gets one halo row from each neighbour (``kernels.halo.halo_exchange``); at
+  the true top and bottom edges the halo is the edge row itself, which is what replicate padding
+  puts there (replicate padding is separable per dim, so padding rows first and time / columns
+  after gives the same corners as the layer's one ``F.pad``).
+- ``GroupNorm`` (every resnet's two norms, ``conv_norm_out``): its statistics are over a group's
+  channels and *all* frames, rows and columns. Each rank computes its band's per-group count, mean
+  and sum of squared deviations in fp32; one ``all_gather`` of those (float64) and Chan's
+  combination give the whole map's mean and variance on every rank, which normalise the band with
+  the layer's affine weights (as xDiT's DistVAE ``PatchGroupNorm``, with a numerically stable
+  combination).
+- ``HunyuanVideoUpsampleCausal3D``: nearest x2 (integer factors) maps output row ``i`` to input row
+  ``i // 2``, so each band upsamples to its own doubled band; its conv is one of the above.
+- The mid block's ``Attention`` (a ``GroupNorm`` of its own, then attention over every latent
+  frame's every pixel with a frame-causal mask): the band is all-gathered to the whole map
+  (``kernels.halo.gather_rows``), the mid block's own code runs the attention on it, and this rank
+  keeps its rows. Every rank so repeats the mid block's attention (at latent resolution), for the
+  same shapes, hence the same bits, as serial attention.
+- Row-local, nothing to do: SiLU, dropout, the 1x1 ``conv_shortcut`` and ``post_quant_conv``.
+
+The decoder's modules are checked against that list before anything runs: another module type, a
+row-mixing conv that is strided or pads on its own, or another padding mode makes
+:func:`sharded_hunyuan_decoder` refuse (``RuntimeError`` naming the module), so a diffusers change
+cannot silently produce seams. diffusers' spatial VAE tiling (``vae.enable_tiling()``) would tile
+each band on its own and is refused together with this decode. The bands are all-gathered, so
+every rank returns the whole video, as the replicated decode does.
+
+**Numerics.** The halo rows carry the serial decode's values; the norms' statistics are the whole
+map's up to fp rounding (combined in another order than the serial kernel's); the convolutions run
+on band shapes. So not bit-exact: measured on the tiny checkpoint's VAE in fp32 against serial
+``vae.decode`` in ``tests/test_hunyuan_decode.py``.
+
+Settings and bands are Wan's (``wan_decode.decode_group``): ``--vae-config.use-parallel-decode``
+with the ``spatial_shard`` mode, the decode group of one DP replica, latent rows split as evenly as
+possible (``k6sr.spatial_shard.shard_sizes``), replicated decode for fewer than
+``MIN_ROWS_PER_SHARD`` rows per rank or a group of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention
+from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+    HunyuanVideoCausalConv3d,
+    HunyuanVideoDecoder3D,
+    HunyuanVideoMidBlock3D,
+    HunyuanVideoResnetBlockCausal3D,
+    HunyuanVideoUpBlock3D,
+    HunyuanVideoUpsampleCausal3D,
+    prepare_causal_attention_mask,
+)
+from diffusers.models.autoencoders.vae import DecoderOutput
+from torch import nn
+
+from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_exchange
+from tilecast.runtime.models.families.wan_decode import decode_group
+from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MIN_ROWS_PER_SHARD", "ShardedHunyuanDecode", "decode_spatial_shard", "install", "sharded_hunyuan_decoder"]
+
+ROW_DIM = 3
+"""The row dim of ``BCTHW`` tensors."""
+
+_ROW_LOCAL = (
+    HunyuanVideoDecoder3D,
+    HunyuanVideoUpBlock3D,
+    HunyuanVideoResnetBlockCausal3D,
+    nn.ModuleList,
+    nn.Dropout,
+    nn.SiLU,
+)
+"""Decoder module types that only pass rows through (containers, per-pixel ops); their
+submodules are checked on their own."""
+
+PAD_MODES = ("replicate", "constant")
+"""Padding modes of ``HunyuanVideoCausalConv3d`` a band can reproduce at the true edges."""
+
+
+def _refuse(name: str, module: nn.Module, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"HunyuanVideo spatial-shard decode cannot shard {name!r} ({type(module).__name__}: {why}); "
+        "decode without --vae-config.use-parallel-decode"
+    )
+
+
+# ----------------------------------------------------------------------------------- row-mixing ops
+def _causal_conv_forward(halo: int, group):
+    """``HunyuanVideoCausalConv3d.forward`` (diffusers 0.42) on a band whose row padding is 0:
+    ``halo`` neighbour rows first (the edge row repeated at the true edges under replicate
+    padding, zeros under constant padding), then the layer's own time and column padding."""
+
+    def forward(module, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        rows = x_BCTHW.shape[ROW_DIM]
+        x_BCTHW = halo_exchange(x_BCTHW, dim=ROW_DIM, halo=halo, group=group)
+        if module.pad_mode == "replicate":  # the true edges: the edge row, not the exchange's zeros
+            above, band, below = x_BCTHW.split([halo, rows, halo], dim=ROW_DIM)
+            if group_rank(group) == 0:
+                above = band.narrow(ROW_DIM, 0, 1).expand_as(above)
+            if group_rank(group) == group_size(group) - 1:
+                below = band.narrow(ROW_DIM, rows - 1, 1).expand_as(below)
+            x_BCTHW = torch.cat([above, band, below], dim=ROW_DIM)
+        x_BCTHW = F.pad(x_BCTHW, module.time_causal_padding, mode=module.pad_mode)
+        return module.conv(x_BCTHW)
+
+    return forward
+
+
+def _group_norm_forward(group):
+    """``GroupNorm`` over a row-sharded map: the whole map's per-group statistics (module docstring)."""
+
+    def forward(module, x: torch.Tensor) -> torch.Tensor:
+        batch, channels = x.shape[:2]
+        groups = module.num_groups
+        x_BGN = x.reshape(batch, groups, -1).to(torch.promote_types(x.dtype, torch.float32))
+        variance_BG, mean_BG = torch.var_mean(x_BGN, dim=-1, correction=0)
+        count = torch.full_like(mean_BG, x_BGN.shape[-1])
+        local = torch.stack([count, mean_BG, variance_BG * count]).double()  # count, mean, M2
+        parts = [torch.empty_like(local) for _ in range(group_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        counts, means, m2s = torch.stack(parts).unbind(1)  # each (ranks, B, G)
+        total = counts.sum(0)
+        mean = (counts * means).sum(0) / total
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+        inv_std_BG = torch.rsqrt(m2 / total + module.eps).to(x_BGN.dtype)
+        normed = (x_BGN - mean.to(x_BGN.dtype)[..., None]) * inv_std_BG[..., None]
+        normed = normed.reshape(x.shape).to(x.dtype)
+        if module.affine:
+            shape = (1, channels) + (1,) * (x.dim() - 2)
+            normed = normed * module.weight.view(shape) + module.bias.view(shape)
+        return normed
+
+    return forward
+
+
+def _mid_block_forward(sizes: list[int], group):
+    """``HunyuanVideoMidBlock3D.forward`` (diffusers 0.42, inference branch) on a band: the resnets
+    run on the band (their convs and norms are sharded), each attention on the gathered whole map."""
+    index = group_rank(group)
+
+    def forward(module, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        x_BCTHW = module.resnets[0](x_BCTHW)
+        for attn, resnet in zip(module.attentions, module.resnets[1:]):
+            if attn is not None:
+                factor, remainder = divmod(x_BCTHW.shape[ROW_DIM], sizes[index])
+                assert remainder == 0, (tuple(x_BCTHW.shape), sizes)
+                full = gather_rows(
+                    x_BCTHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group
+                )
+                batch, _, frames, height, width = full.shape
+                tokens = full.permute(0, 2, 3, 4, 1).flatten(1, 3)
+                mask = prepare_causal_attention_mask(frames, height * width, tokens.dtype, tokens.device, batch)
+                tokens = attn(tokens, attention_mask=mask)
+                full = tokens.unflatten(1, (frames, height, width)).permute(0, 4, 1, 2, 3)
+                x_BCTHW = full.narrow(ROW_DIM, sum(sizes[:index]) * factor, sizes[index] * factor)
+            x_BCTHW = resnet(x_BCTHW)
+        return x_BCTHW
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------- the plan
+def _plan(decoder: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder's modules that need a band forward, in order; ``RuntimeError`` for one it
+    cannot shard."""
+    plan: list[tuple[str, nn.Module]] = []
+    attention: list[str] = []  # the mid block's attention layers run on the whole map as they are
+    for name, module in decoder.named_modules():
+        if any(name == block or name.startswith(f"{block}.") for block in attention):
+            continue
+        if isinstance(module, HunyuanVideoCausalConv3d):
+            conv = module.conv
+            kernel, pad = conv.kernel_size[1], module.time_causal_padding[2]
+            if kernel > 1:
+                if module.pad_mode not in PAD_MODES:
+                    raise _refuse(name, module, f"{module.pad_mode} padding")
+                if conv.stride[1] != 1 or conv.padding[1] != 0 or conv.dilation[1] != 1 or kernel != 2 * pad + 1:
+                    raise _refuse(name, module, f"row kernel {kernel}, stride {conv.stride[1]}, padding {pad}")
+                if module.time_causal_padding[3] != pad:
+                    raise _refuse(name, module, f"row padding {module.time_causal_padding[2:4]}")
+                plan.append((name, module))
+        elif isinstance(module, nn.Conv3d):
+            if module.kernel_size[1] > 1 and not _is_causal_conv_inner(decoder, name):
+                raise _refuse(name, module, f"row kernel {module.kernel_size[1]}")  # (checked with its layer)
+        elif isinstance(module, nn.GroupNorm):
+            plan.append((name, module))
+        elif isinstance(module, HunyuanVideoMidBlock3D):
+            plan.append((name, module))
+            attention += [f"{name}.attentions.{i}" for i, attn in enumerate(module.attentions) if attn is not None]
+            if not all(attn is None or isinstance(attn, Attention) for attn in module.attentions):
+                raise _refuse(name, module, "an attention layer of another type")
+        elif isinstance(module, HunyuanVideoUpsampleCausal3D):
+            factors = tuple(module.upsample_factor)
+            if any(int(f) != f or f < 1 for f in factors):
+                raise _refuse(name, module, f"upsample factors {factors}")
+        elif not isinstance(module, _ROW_LOCAL):
+            raise _refuse(name, module, "an unknown decoder module")
+    return plan
+
+
+def _is_causal_conv_inner(decoder: nn.Module, name: str) -> bool:
+    parent = decoder.get_submodule(name.rpartition(".")[0]) if "." in name else decoder
+    return isinstance(parent, HunyuanVideoCausalConv3d)
+
+
+@contextlib.contextmanager
+def sharded_hunyuan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator[None]:
+    """Make ``decoder`` (a ``HunyuanVideoDecoder3D``) decode this rank's band of ``sizes`` latent rows.
+
+    Refuses (``RuntimeError`` naming the module) a decoder with a module it does not know how to
+    shard. Swaps band forwards in on the row-mixing modules (module docstring) and restores them on
+    exit, also after an error. Every decoder call inside is collective over ``group``.
+    """
+    plan = _plan(decoder)
+    swapped: list[tuple[nn.Module, Any, tuple | None]] = []
+    try:
+        for _, module in plan:
+            saved = vars(module).get("forward")
+            padding = None
+            if isinstance(module, HunyuanVideoCausalConv3d):
+                halo = module.time_causal_padding[2]
+                padding = module.time_causal_padding
+                pad = list(padding)
+                pad[2] = pad[3] = 0
+                module.time_causal_padding = tuple(pad)
+                forward = _causal_conv_forward(halo, group)
+            elif isinstance(module, nn.GroupNorm):
+                forward = _group_norm_forward(group)
+            else:
+                forward = _mid_block_forward(sizes, group)
+            swapped.append((module, saved, padding))
+            module.forward = types.MethodType(forward, module)
+        yield
+    finally:
+        for module, saved, padding in reversed(swapped):
+            if saved is None:
+                del module.forward
+            else:
+                module.forward = saved
+            if padding is not None:
+                module.time_causal_padding = padding
+
+
+def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group) -> torch.Tensor:
+    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLHunyuanVideo``; the same latents on every
+    rank) split by rows across ``group``: the whole ``video_BCFHW`` on every rank.
+
+    Decodes replicated (``vae.decode`` on every rank, no collectives) when ``group`` has one rank
+    or the latents have fewer than ``MIN_ROWS_PER_SHARD`` rows per rank. Raises ``ValueError`` when
+    diffusers' spatial VAE tiling is enabled (it would tile each band on its own).
+    """
+    decode = type(vae).decode  # the class's method: an instance's ShardedHunyuanDecode must not recurse
+    if getattr(vae, "use_tiling", False):
+        raise ValueError(
+            "HunyuanVideo parallel VAE decode does not combine with diffusers' VAE tiling (vae.enable_tiling)"
+        )
+    num_rows = latents_BCTHW.shape[ROW_DIM]
+    sizes = shard_sizes(num_rows, group)
+    if sizes is None:
+        logger.debug("HunyuanVideo decode: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
+        return decode(vae, latents_BCTHW, return_dict=False)[0]
+    index = group_rank(group)
+    band_BCTHW = latents_BCTHW.narrow(ROW_DIM, sum(sizes[:index]), sizes[index])
+    with sharded_hunyuan_decoder(vae.decoder, sizes, group):
+        video_BCFHW = decode(vae, band_BCTHW, return_dict=False)[0]
+    factor, remainder = divmod(video_BCFHW.shape[ROW_DIM], sizes[index])
+    assert remainder == 0, (tuple(video_BCFHW.shape), sizes)
+    return gather_rows(video_BCFHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group)
+
+
+class ShardedHunyuanDecode:
+    """Stands in for ``vae.decode`` on an ``AutoencoderKLHunyuanVideo`` (an instance attribute), so
+    diffusers' ``HunyuanVideoPipeline`` decodes through :func:`decode_spatial_shard` on ``group``."""
+
+    def __init__(self, vae, group) -> None:
+        self.vae, self.group = vae, group
+
+    def __call__(self, z: torch.Tensor, return_dict: bool = True):
+        video_BCFHW = decode_spatial_shard(self.vae, z, self.group)
+        return DecoderOutput(sample=video_BCFHW) if return_dict else (video_BCFHW,)
+
+    def __repr__(self) -> str:
+        return f"ShardedHunyuanDecode(group of {group_size(self.group)} ranks)"
+
+
+def install(vae, ctx, family: str = "hunyuanvideo") -> bool:
+    """Make ``vae.decode`` the sharded decode over the decode group when
+    ``--vae-config.use-parallel-decode`` asks for it and the group has several ranks (see
+    ``wan_decode.decode_group``); returns whether it did."""
+    group = decode_group(ctx, family)
+    if group is None:
+        return False
+    vae.decode = ShardedHunyuanDecode(vae, group)
+    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
+    return True
