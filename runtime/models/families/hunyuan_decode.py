@@ -12,10 +12,10 @@ of the call (forwards swapped on the instances, restored after, also after an er
 
 - ``HunyuanVideoCausalConv3d`` with a 3x3 spatial kernel: the layer pads time causally and rows
   and columns by one with *replicate* padding, then runs an unpadded ``Conv3d``. The row padding is
-  set to 0 and the band gets one halo row from each neighbour (``kernels.halo.halo_exchange``); at
-  the true top and bottom edges the halo is the edge row itself, which is what replicate padding
-  puts there (replicate padding is separable per dim, so padding rows first and time / columns
-  after gives the same corners as the layer's one ``F.pad``).
+  set to 0 and the band gets one halo row from each neighbour (``kernels.halo.halo_pad``); at the
+  true top and bottom edges the halo is the edge row itself, which is what replicate padding puts
+  there (padding modes act per dim, so padding rows first and time / columns after gives the same
+  corners as the layer's one ``F.pad``).
 - ``GroupNorm`` (every resnet's two norms, ``conv_norm_out``): its statistics are over a group's
   channels and *all* frames, rows and columns. Each rank computes its band's per-group count, mean
   and sum of squared deviations in fp32; one ``all_gather`` of those (float64) and Chan's
@@ -73,7 +73,7 @@ from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
 from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
 
-from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_exchange
+from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_pad
 from tilecast.runtime.models.families.wan_decode import decode_group
 from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
 
@@ -95,8 +95,8 @@ _ROW_LOCAL = (
 """Decoder module types that only pass rows through (containers, per-pixel ops); their
 submodules are checked on their own."""
 
-PAD_MODES = ("replicate", "constant")
-"""Padding modes of ``HunyuanVideoCausalConv3d`` a band can reproduce at the true edges."""
+PAD_MODES = ("replicate", "constant", "reflect")
+"""Padding modes of ``HunyuanVideoCausalConv3d`` a band reproduces at the true edges (``halo_pad``)."""
 
 
 def _refuse(name: str, module: nn.Module, why: str) -> RuntimeError:
@@ -109,19 +109,11 @@ def _refuse(name: str, module: nn.Module, why: str) -> RuntimeError:
 # ----------------------------------------------------------------------------------- row-mixing ops
 def _causal_conv_forward(halo: int, group):
     """``HunyuanVideoCausalConv3d.forward`` (diffusers 0.42) on a band whose row padding is 0:
-    ``halo`` neighbour rows first (the edge row repeated at the true edges under replicate
-    padding, zeros under constant padding), then the layer's own time and column padding."""
+    ``halo`` neighbour rows first (the layer's padding mode at the true edges), then the layer's
+    own time and column padding."""
 
     def forward(module, x_BCTHW: torch.Tensor) -> torch.Tensor:
-        rows = x_BCTHW.shape[ROW_DIM]
-        x_BCTHW = halo_exchange(x_BCTHW, dim=ROW_DIM, halo=halo, group=group)
-        if module.pad_mode == "replicate":  # the true edges: the edge row, not the exchange's zeros
-            above, band, below = x_BCTHW.split([halo, rows, halo], dim=ROW_DIM)
-            if group_rank(group) == 0:
-                above = band.narrow(ROW_DIM, 0, 1).expand_as(above)
-            if group_rank(group) == group_size(group) - 1:
-                below = band.narrow(ROW_DIM, rows - 1, 1).expand_as(below)
-            x_BCTHW = torch.cat([above, band, below], dim=ROW_DIM)
+        x_BCTHW = halo_pad(x_BCTHW, dim=ROW_DIM, halo=halo, group=group, mode=module.pad_mode)
         x_BCTHW = F.pad(x_BCTHW, module.time_causal_padding, mode=module.pad_mode)
         return module.conv(x_BCTHW)
 
