@@ -222,3 +222,24 @@ def test_unknown_decoder_module_is_refused_and_nothing_stays_changed():
         with sharded_hunyuan_decoder(vae.decoder, [4, 4], None):
             pass
     assert changed(vae) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_norm_forward_matches_pytorch_in_chunks(dtype, monkeypatch):
+    """One rank: the sharded group norm is ``nn.GroupNorm`` (fp32 within rounding; bf16 as PyTorch
+    rounds it), also when the groups are normalised a few at a time (``NORM_CHUNK_ELEMENTS``)."""
+    from tilecast.runtime.models.families import hunyuan_decode
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        norm = torch.nn.GroupNorm(4, 16).to(dtype)
+        norm.weight.data.uniform_(0.5, 1.5)
+        norm.bias.data.uniform_(-1.0, 1.0)
+        x = (torch.randn(2, 16, 3, 5, 6) * 3 + 1).to(dtype)
+    forward = hunyuan_decode._group_norm_forward(None)
+    whole = forward(norm, x)
+    monkeypatch.setattr(hunyuan_decode, "NORM_CHUNK_ELEMENTS", 200)  # one group of 2 x 360 elements a chunk
+    assert len(hunyuan_decode._group_chunks(x.reshape(2, 4, -1))) == 4
+    assert torch.equal(forward(norm, x), whole)
+    assert whole.dtype == dtype
+    assert (whole.double() - norm(x).double()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 0.0)

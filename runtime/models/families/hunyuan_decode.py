@@ -21,7 +21,8 @@ of the call (forwards swapped on the instances, restored after, also after an er
   and sum of squared deviations in fp32; one ``all_gather`` of those (float64) and Chan's
   combination give the whole map's mean and variance on every rank, which normalise the band with
   the layer's affine weights (as xDiT's DistVAE ``PatchGroupNorm``, with a numerically stable
-  combination).
+  combination). A bf16 map is upcast a chunk of groups at a time (``NORM_CHUNK_ELEMENTS``), so the
+  norm needs no fp32 copy of the whole band, and rounds once, as PyTorch's kernel does.
 - ``HunyuanVideoUpsampleCausal3D``: nearest x2 (integer factors) maps output row ``i`` to input row
   ``i // 2``, so each band upsamples to its own doubled band; its conv is one of the above.
 - The mid block's ``Attention`` (a ``GroupNorm`` of its own, then attention over every latent
@@ -120,29 +121,54 @@ def _causal_conv_forward(halo: int, group):
     return forward
 
 
+NORM_CHUNK_ELEMENTS = 1 << 26
+"""Elements of a group norm's input upcast to fp32 at a time (256 MiB): a bf16 map is normalised
+chunk by chunk of groups, never copied whole to fp32."""
+
+
+def _group_chunks(x_BGN: torch.Tensor) -> list[slice]:
+    """Slices of the group dim covering at most ``NORM_CHUNK_ELEMENTS`` elements each (one group at least)."""
+    batch, groups, per_group = x_BGN.shape
+    step = max(1, NORM_CHUNK_ELEMENTS // max(1, batch * per_group))
+    return [slice(start, min(start + step, groups)) for start in range(0, groups, step)]
+
+
 def _group_norm_forward(group):
-    """``GroupNorm`` over a row-sharded map: the whole map's per-group statistics (module docstring)."""
+    """``GroupNorm`` over a row-sharded map: the whole map's per-group statistics (module docstring).
+    Statistics and normalisation run in fp32 (float64 stays float64), as PyTorch's kernel computes,
+    chunk by chunk of groups; the result is rounded to the input's dtype once."""
 
     def forward(module, x: torch.Tensor) -> torch.Tensor:
         batch, channels = x.shape[:2]
         groups = module.num_groups
-        x_BGN = x.reshape(batch, groups, -1).to(torch.promote_types(x.dtype, torch.float32))
-        variance_BG, mean_BG = torch.var_mean(x_BGN, dim=-1, correction=0)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        x_BGN = x.reshape(batch, groups, -1)
+        chunks = _group_chunks(x_BGN)
+        stats = [torch.var_mean(x_BGN[:, part].to(compute), dim=-1, correction=0) for part in chunks]
+        variance_BG = torch.cat([variance for variance, _ in stats], dim=1)
+        mean_BG = torch.cat([mean for _, mean in stats], dim=1)
         count = torch.full_like(mean_BG, x_BGN.shape[-1])
         local = torch.stack([count, mean_BG, variance_BG * count]).double()  # count, mean, M2
-        parts = [torch.empty_like(local) for _ in range(group_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
+        parts = [local] if group_size(group) == 1 else [torch.empty_like(local) for _ in range(group_size(group))]
+        if len(parts) > 1:
+            dist.all_gather(parts, local.contiguous(), group=group)
         counts, means, m2s = torch.stack(parts).unbind(1)  # each (ranks, B, G)
         total = counts.sum(0)
         mean = (counts * means).sum(0) / total
         m2 = (m2s + counts * (means - mean) ** 2).sum(0)
-        inv_std_BG = torch.rsqrt(m2 / total + module.eps).to(x_BGN.dtype)
-        normed = (x_BGN - mean.to(x_BGN.dtype)[..., None]) * inv_std_BG[..., None]
-        normed = normed.reshape(x.shape).to(x.dtype)
-        if module.affine:
-            shape = (1, channels) + (1,) * (x.dim() - 2)
-            normed = normed * module.weight.view(shape) + module.bias.view(shape)
-        return normed
+        inv_std_BG = torch.rsqrt(m2 / total + module.eps).to(compute)
+        mean_BG = mean.to(compute)
+        out_BGN = torch.empty_like(x_BGN)
+        per_group = channels // groups
+        for part in chunks:
+            normed = (x_BGN[:, part].to(compute) - mean_BG[:, part, None]) * inv_std_BG[:, part, None]
+            if module.affine:  # per channel: the group's elements are its channels' maps, one after another
+                normed = normed.unflatten(-1, (per_group, -1))
+                weight = module.weight.to(compute).view(groups, per_group)[part, :, None]
+                bias = module.bias.to(compute).view(groups, per_group)[part, :, None]
+                normed = (normed * weight + bias).flatten(-2)
+            out_BGN[:, part] = normed
+        return out_BGN.view(x.shape)
 
     return forward
 
