@@ -227,6 +227,7 @@ class HeliosT2VPipeline(DiffusersBatchPipeline):
         "vae.parallel_decode_mode",
     }
     """Also the parallel decode settings (``wan_decode.install`` reads them)."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
 
     @classmethod
     def build_diffusers(cls, model_path: str, device, dtype):

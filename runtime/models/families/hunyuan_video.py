@@ -203,6 +203,7 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
         "vae.parallel_decode_mode",
     }
     """Also the parallel decode settings (``hunyuan_decode.install`` reads them)."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
 
     @classmethod
     def install_fast_paths(cls, pipe, settings) -> None:

@@ -48,7 +48,7 @@ import dataclasses
 import logging
 
 from tilecast.runtime.models.families import images, tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, I2VParams, TinyCheckpoint
+from tilecast.runtime.models.families.common import VIDEO_VAE_REASONS, DiffusersBatchPipeline, I2VParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ class LTX2T2VPipeline(DiffusersBatchPipeline):
         "vae.parallel_decode_mode",
     }
     """Also the parallel decode settings (``ltx2_decode.install`` reads them)."""
+    unsupported_reasons = VIDEO_VAE_REASONS
 
     def __init__(self, pipe, ctx) -> None:
         from tilecast.runtime.models.families import ltx2_decode  # imports diffusers' LTX-2 video VAE

@@ -309,6 +309,7 @@ class WanFamily(DiffusersBatchPipeline):
     """Also the parallel decode settings, which ``wan_decode.install`` reads (the other
     ``--vae-config.*`` settings are refused), the experts' CPU offload and the dense-attention
     fallback of sparse-attention releases."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
     variants: ClassVar[dict[str, WanDefaults]] = {}
     """Released id hint -> that checkpoint's card defaults (the longest hint found wins)."""
     fallback_variant: ClassVar[str | None] = None
