@@ -61,14 +61,17 @@ to each neighbour per conv call, and the frame gather runs once per latent frame
 pixels. Not measured on several GPUs yet (only one-GPU machines were available).
 
 **Settings** (:func:`install`, called by every Wan family: Wan2.1 T2V / I2V, Wan2.2 A14B with
-Wan2.1's VAE, Wan2.2 TI2V 5B with its residual, patched VAE): ``--vae-config.use-parallel-decode``
+Wan2.1's VAE, Wan2.2 TI2V 5B with its residual, patched VAE; and by Helios, whose pipelines decode
+each chunk with ``vae.decode``; :func:`decode_group` serves ``hunyuan_decode`` and ``ltx2_decode``
+too): ``--vae-config.use-parallel-decode``
 with ``--vae-config.parallel-decode-mode spatial_shard`` means here what it means for K6 SR: split
 the height across the decode group with halo exchange, not bit-exact. For Wan the "tile" is the
 whole frame (the Wan pipeline does not tile). The decode group is ``ctx.groups.decode_group``, the
 ranks of one DP replica; with one rank per replica (``--num-gpus 2`` and no Ulysses, Ring or TP
 degree) it has one rank and the setting has no effect (a warning says so).
 ``--vae-config.use-parallel-tiling`` (whole tiles) and ``--vae-config.fast-decode`` (K-VAE only)
-have no meaning for Wan: ``WanT2VPipeline.load`` refuses them, like every setting it does not honour.
+have no meaning for Wan: the families' ``load`` refuses them with that reason
+(``common.VIDEO_VAE_REASONS``), like every setting they do not honour.
 
 Bands: latent rows split as evenly as possible (uneven 3/3/2 is fine,
 ``k6sr.spatial_shard.shard_sizes``); a video with fewer than ``MIN_ROWS_PER_SHARD`` latent rows per
