@@ -243,3 +243,25 @@ def test_group_norm_forward_matches_pytorch_in_chunks(dtype, monkeypatch):
     assert torch.equal(forward(norm, x), whole)
     assert whole.dtype == dtype
     assert (whole.double() - norm(x).double()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 0.0)
+
+
+def test_band_attention_is_the_mid_block_attention_of_those_rows():
+    """One process, float64: the queries of a band of rows (with the whole map's keys and norm)
+    give the rows of diffusers' attention over the whole map (measured: equal); the frame-causal
+    mask counts."""
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+    from tilecast.runtime.models.families.hunyuan_decode import _band_attention
+
+    attn = tiny_vae().double().decoder.mid_block.attentions[0]
+    x_BCTHW = torch.randn(1, 16, 3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    _, _, frames, height, width = x_BCTHW.shape
+    tokens = x_BCTHW.permute(0, 2, 3, 4, 1).flatten(1, 3)
+    mask = prepare_causal_attention_mask(frames, height * width, tokens.dtype, tokens.device, batch_size=1)
+    with torch.no_grad():
+        whole = attn(tokens, attention_mask=mask).unflatten(1, (frames, height, width)).permute(0, 4, 1, 2, 3)
+        unmasked = attn(tokens).unflatten(1, (frames, height, width)).permute(0, 4, 1, 2, 3)
+        for start, rows in ((0, 6), (0, 2), (2, 3), (5, 1)):
+            band = _band_attention(attn, x_BCTHW, start, rows)
+            assert (band - whole[:, :, :, start : start + rows]).abs().max() <= FLOAT64_BOUND, (start, rows)
+    assert (unmasked - whole).abs().max() > SEAM_FLOOR

@@ -25,11 +25,13 @@ of the call (forwards swapped on the instances, restored after, also after an er
   norm needs no fp32 copy of the whole band, and rounds once, as PyTorch's kernel does.
 - ``HunyuanVideoUpsampleCausal3D``: nearest x2 (integer factors) maps output row ``i`` to input row
   ``i // 2``, so each band upsamples to its own doubled band; its conv is one of the above.
-- The mid block's ``Attention`` (a ``GroupNorm`` of its own, then attention over every latent
-  frame's every pixel with a frame-causal mask): the band is all-gathered to the whole map
-  (``kernels.halo.gather_rows``), the mid block's own code runs the attention on it, and this rank
-  keeps its rows. Every rank so repeats the mid block's attention (at latent resolution), for the
-  same shapes, hence the same bits, as serial attention.
+- The mid block's ``Attention`` (a ``GroupNorm`` of its own, then one attention over every latent
+  frame's every pixel with a frame-causal mask, at latent resolution): the band is all-gathered to
+  the whole map (``kernels.halo.gather_rows``), which gives the norm and the keys and values; the
+  rank computes the queries of its own rows only, with those rows of the mask (``_band_attention``,
+  ``AttnProcessor2_0``'s steps written out; another processor is refused). The attention's work and
+  its ``queries x keys`` mask (diffusers builds the whole ``N x N`` one: 10 GB in bf16 for a 720p
+  temporal tile of 5 latent frames) split across the ranks.
 - Row-local, nothing to do: SiLU, dropout, the 1x1 ``conv_shortcut`` and ``post_quant_conv``.
 
 The decoder's modules are checked against that list before anything runs: another module type, a
@@ -46,11 +48,11 @@ on band shapes. So not bit-exact: measured on the tiny checkpoint's VAE against 
 (serial fp32 is itself 7.9e-6 from the float64 decode), uint8 frames PSNR 90 dB, max diff 1/255; in
 float64 1.8e-14, i.e. the arithmetic is the serial decode's.
 
-**Cost.** Every rank repeats the mid block's attention on the whole latent map (one head over all
-``frames x rows x cols`` latent pixels of a temporal tile, quadratic in them); the resnets, upsamplers
-and the full-resolution levels, where nearly all of the decode's work and memory is, split by rows.
-Per group norm call one ``all_gather`` of ``3 x batch x groups`` float64 values, per 3x3 conv call
-one halo row to each neighbour. Not measured on GPUs yet (no several-GPU machine was available).
+**Cost.** Everything splits by rows but the mid-block attention's group norm and key / value
+projections, which every rank runs on the whole latent map (linear in it, at the lowest
+resolution). Exchanged: per group norm call one ``all_gather`` of ``3 x batch x groups`` float64
+values, per 3x3 conv call one halo row to each neighbour, per mid-block attention the latent map's
+rows. Not measured on GPUs yet (no several-GPU machine was available).
 
 Settings and bands are Wan's (``wan_decode.decode_group``): ``--vae-config.use-parallel-decode``
 with the ``spatial_shard`` mode, the decode group of one DP replica, latent rows split as evenly as
@@ -69,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.models.attention_processor import Attention
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
     HunyuanVideoCausalConv3d,
     HunyuanVideoDecoder3D,
@@ -77,7 +79,6 @@ from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
     HunyuanVideoResnetBlockCausal3D,
     HunyuanVideoUpBlock3D,
     HunyuanVideoUpsampleCausal3D,
-    prepare_causal_attention_mask,
 )
 from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
@@ -181,9 +182,38 @@ def _group_norm_forward(group):
     return forward
 
 
+def _band_attention(attn: Attention, full_BCTHW: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """The mid block's attention (``AttnProcessor2_0``, diffusers 0.42, as the mid block calls it)
+    for the queries of rows ``start .. start + rows`` of the whole map ``full_BCTHW``: the group
+    norm, keys and values over the whole map, the frame-causal mask's rows of these queries (a
+    token sees every token of its own and earlier frames). Returns those rows, ``x_BCTHW``."""
+    batch, channels, frames, height, width = full_BCTHW.shape
+    normed_BCTHW = full_BCTHW
+    if attn.group_norm is not None:
+        normed_BCTHW = attn.group_norm(full_BCTHW.flatten(2)).view_as(full_BCTHW)
+    keys_BNC = normed_BCTHW.flatten(2).transpose(1, 2)
+    queries_BnC = normed_BCTHW.narrow(ROW_DIM, start, rows).flatten(2).transpose(1, 2)
+    query, key, value = attn.to_q(queries_BnC), attn.to_k(keys_BNC), attn.to_v(keys_BNC)
+    head_dim = key.shape[-1] // attn.heads
+    query, key, value = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+    frame_of_query = torch.arange(frames, device=query.device).repeat_interleave(rows * width)
+    frame_of_key = torch.arange(frames, device=query.device).repeat_interleave(height * width)
+    mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+        frame_of_key[None, :] > frame_of_query[:, None], float("-inf")
+    )
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], dropout_p=0.0)
+    out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+    out = attn.to_out[1](attn.to_out[0](out))
+    if attn.residual_connection:
+        out = out + full_BCTHW.narrow(ROW_DIM, start, rows).flatten(2).transpose(1, 2)
+    out = out / attn.rescale_output_factor
+    return out.unflatten(1, (frames, rows, width)).permute(0, 4, 1, 2, 3)
+
+
 def _mid_block_forward(sizes: list[int], group):
     """``HunyuanVideoMidBlock3D.forward`` (diffusers 0.42, inference branch) on a band: the resnets
-    run on the band (their convs and norms are sharded), each attention on the gathered whole map."""
+    run on the band (their convs and norms are sharded), each attention gathers the whole map for
+    its keys and computes this band's queries (:func:`_band_attention`)."""
     index = group_rank(group)
 
     def forward(module, x_BCTHW: torch.Tensor) -> torch.Tensor:
@@ -192,15 +222,10 @@ def _mid_block_forward(sizes: list[int], group):
             if attn is not None:
                 factor, remainder = divmod(x_BCTHW.shape[ROW_DIM], sizes[index])
                 assert remainder == 0, (tuple(x_BCTHW.shape), sizes)
-                full = gather_rows(
+                full_BCTHW = gather_rows(
                     x_BCTHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group
                 )
-                batch, _, frames, height, width = full.shape
-                tokens = full.permute(0, 2, 3, 4, 1).flatten(1, 3)
-                mask = prepare_causal_attention_mask(frames, height * width, tokens.dtype, tokens.device, batch)
-                tokens = attn(tokens, attention_mask=mask)
-                full = tokens.unflatten(1, (frames, height, width)).permute(0, 4, 1, 2, 3)
-                x_BCTHW = full.narrow(ROW_DIM, sum(sizes[:index]) * factor, sizes[index] * factor)
+                x_BCTHW = _band_attention(attn, full_BCTHW, sum(sizes[:index]) * factor, sizes[index] * factor)
             x_BCTHW = resnet(x_BCTHW)
         return x_BCTHW
 
@@ -234,9 +259,14 @@ def _plan(decoder: nn.Module) -> list[tuple[str, nn.Module]]:
             plan.append((name, module))
         elif isinstance(module, HunyuanVideoMidBlock3D):
             plan.append((name, module))
-            attention += [f"{name}.attentions.{i}" for i, attn in enumerate(module.attentions) if attn is not None]
-            if not all(attn is None or isinstance(attn, Attention) for attn in module.attentions):
-                raise _refuse(name, module, "an attention layer of another type")
+            for i, attn in enumerate(module.attentions):
+                if attn is None:
+                    continue
+                attention.append(f"{name}.attentions.{i}")
+                if not isinstance(attn, Attention) or type(attn.processor) is not AttnProcessor2_0:
+                    raise _refuse(name, module, f"attention {i} is not diffusers' Attention with AttnProcessor2_0")
+                if attn.spatial_norm is not None or attn.norm_q is not None or attn.norm_k is not None:
+                    raise _refuse(name, module, f"attention {i} has a spatial, query or key norm")
         elif isinstance(module, HunyuanVideoUpsampleCausal3D):
             factors = tuple(module.upsample_factor)
             if any(int(f) != f or f < 1 for f in factors):
