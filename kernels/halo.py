@@ -10,6 +10,9 @@ desynchronise a group.
   receives theirs (point-to-point). The true top and bottom edges get zero rows, exactly what a
   zero-padded convolution sees there, so ``conv(halo_exchange(x), padding=0 on dim)`` on each shard
   equals the rows of ``conv(x_full, padding=halo)``.
+- ``halo_pad``: ``halo_exchange`` whose true edges are padded as a convolution's padding mode pads
+  them (zeros, replicate: the edge row repeated, reflect: the rows after the edge, mirrored), so
+  ``conv(halo_pad(x, mode=m), no row padding)`` equals the rows of a conv padding rows with ``m``.
 - ``gather_rows``: all-gather uneven shards (padded to the largest, trimmed after) and concatenate.
 
 Works on any backend with point-to-point and all_gather (gloo for CPU tensors, NCCL for CUDA
@@ -25,7 +28,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gather_rows", "group_rank", "group_size", "halo_exchange", "split_sizes"]
+__all__ = ["PAD_MODES", "gather_rows", "group_rank", "group_size", "halo_exchange", "halo_pad", "split_sizes"]
 
 
 def group_size(group) -> int:
@@ -84,6 +87,36 @@ def halo_exchange(x: torch.Tensor, *, dim: int, halo: int, group) -> torch.Tenso
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+    return torch.cat([above, x, below], dim=dim)
+
+
+PAD_MODES = ("zeros", "replicate", "reflect")
+"""The padding modes ``halo_pad`` reproduces at the true edges (``F.pad``'s ``constant`` is ``zeros``)."""
+
+
+def halo_pad(x: torch.Tensor, *, dim: int, halo: int, group, mode: str = "zeros") -> torch.Tensor:
+    """``halo_exchange(x)``, except that the rows beyond the true edges are what padding ``mode``
+    (``PAD_MODES``) puts there: zeros, the edge row repeated (replicate), or the ``halo`` rows
+    after the edge in mirror order (reflect; an edge shard needs ``halo + 1`` rows). Padding modes act
+    on each dim on its own, so padding the rows here and the other dims after gives the corners a
+    padding of all dims at once gives."""
+    mode = "zeros" if mode == "constant" else mode
+    if mode not in PAD_MODES:
+        raise ValueError(f"mode must be one of {', '.join(PAD_MODES)}, got {mode!r}")
+    x_halo = halo_exchange(x, dim=dim, halo=halo, group=group)
+    if mode == "zeros" or halo == 0:
+        return x_halo
+    rows, index, size = x.shape[dim], group_rank(group), group_size(group)
+    if mode == "reflect" and rows <= halo and index in (0, size - 1):  # after the exchange: no peer waits
+        raise ValueError(f"an edge shard of {rows} rows cannot reflect a halo of {halo} rows")
+    above, below = x_halo.narrow(dim, 0, halo), x_halo.narrow(dim, halo + rows, halo)
+    if index == 0:
+        above = x.narrow(dim, 0, 1).expand_as(above) if mode == "replicate" else x.narrow(dim, 1, halo).flip(dim)
+    if index == size - 1:
+        if mode == "replicate":
+            below = x.narrow(dim, rows - 1, 1).expand_as(below)
+        else:
+            below = x.narrow(dim, rows - 1 - halo, halo).flip(dim)
     return torch.cat([above, x, below], dim=dim)
 
 

@@ -157,6 +157,36 @@ def test_a_supported_setting_passes_the_check(model, name):
     PIPELINES[model].check_settings(_config(fields), model)
 
 
+VIDEO_DECODERS = {
+    "tiny/k6sr": "k6sr.spatial_shard",
+    "tiny/wan2.1-t2v": "wan_decode",
+    "tiny/wan2.1-i2v-14b-480p": "wan_decode",
+    "tiny/wan2.2-t2v-a14b": "wan_decode",
+    "tiny/wan2.2-i2v-a14b": "wan_decode",
+    "tiny/wan2.2-ti2v-5b": "wan_decode",
+    "tiny/helios-base": "wan_decode",
+    "tiny/helios-distilled": "wan_decode",
+    "tiny/hunyuanvideo": "hunyuan_decode",
+    "tiny/ltx-2": "ltx2_decode",
+}
+"""Every video row and the module that splits its VAE decode by rows (its multi-rank test:
+``tests/test_<module>.py`` or ``tests/test_spatial_shard.py``)."""
+
+
+@pytest.mark.parametrize(
+    "model", [model for model, p in PIPELINES.items() if getattr(p, "output_kind", "video") == "video"]
+)  # K6 SR (no output_kind: not a diffusers family) writes video
+def test_every_video_family_honours_the_parallel_decode(model):
+    """A video row without a row-band decode must be added here on purpose (and refuse the flag
+    with its reason in ``unsupported_reasons``), not slip in."""
+    assert model in VIDEO_DECODERS, f"{model}: a video family without a parallel VAE decode"
+    pipeline = PIPELINES[model]
+    pipeline.check_settings(_config({"vae": {"use_parallel_decode": True}}), model)
+    if model != "tiny/k6sr":  # the diffusers video families: whole tiles are K6 SR's, and say so
+        with pytest.raises(UnsupportedSettingError, match=re.escape("this video VAE decodes untiled")):
+            pipeline.check_settings(_config({"vae": {"use_parallel_tiling": True}}), model)
+
+
 def test_the_refusal_lists_every_unsupported_setting_and_the_reasons():
     config = _config({"quantize": "fp8", "cuda_graphs": True, "device": "cuda"})
     with pytest.raises(ValueError) as info:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tests.distributed import one_thread, run_ranks
-from tilecast.kernels.halo import gather_rows, halo_exchange, split_sizes
+from tilecast.kernels.halo import gather_rows, halo_exchange, halo_pad, split_sizes
 from tilecast.runtime.models.k6sr.spatial_shard import decode_spatial_shard, shard_sizes, sharded_decoder
 
 TIMEOUT = 120
@@ -214,16 +214,21 @@ def _halo(rank, sizes):
     top = sum(sizes[:rank])
     mine = full[:, top : top + sizes[rank]]
     group = dist.group.WORLD
-    return halo_exchange(mine, dim=1, halo=2, group=group), gather_rows(mine, dim=1, sizes=sizes, group=group)
+    padded = {mode: halo_pad(mine, dim=1, halo=2, group=group, mode=mode) for mode in ("replicate", "reflect")}
+    return halo_exchange(mine, dim=1, halo=2, group=group), gather_rows(mine, dim=1, sizes=sizes, group=group), padded
 
 
 def check_halo(results):
-    """Uneven rows 3/2/4: halo rows equal the zero-padded full tensor's; the gather rebuilds it."""
+    """Uneven rows 3/2/4: halo rows equal the zero-padded full tensor's; the gather rebuilds it;
+    ``halo_pad`` pads the true edges as ``F.pad``'s replicate and reflect modes do."""
     sizes = HALO_SIZES
     full = torch.arange(2 * sum(sizes) * 3, dtype=torch.float32).reshape(2, sum(sizes), 3)
     padded = nn.functional.pad(full, (0, 0, 2, 2))  # zero rows beyond the true edges
     for rank, result in enumerate(results):
-        with_halo, gathered = result["halo"]
+        with_halo, gathered, edges = result["halo"]
         top = sum(sizes[:rank])
         assert torch.equal(with_halo, padded[:, top : top + sizes[rank] + 4])
         assert torch.equal(gathered, full)
+        for mode, band in edges.items():
+            reference = nn.functional.pad(full[None], (0, 0, 2, 2), mode=mode)[0]
+            assert torch.equal(band, reference[:, top : top + sizes[rank] + 4]), mode

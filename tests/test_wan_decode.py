@@ -1,4 +1,4 @@
-"""Wan parallel VAE decode (``runtime/models/families/wan_decode.py``) on 2 and 3 gloo ranks.
+"""Wan parallel VAE decode (``runtime/models/families/wan_decode.py``) on 2, 3 and 4 gloo ranks.
 
 The tiny checkpoint's ``AutoencoderKLWan`` (``wan.build_tiny_wan``'s config, seeded weights)
 decodes 8 latent rows x 6 cols (64 x 48 px). 2 ranks split the rows 4/4 over 3 latent frames
@@ -15,14 +15,19 @@ Measured (fp32, one thread, this machine; ``pytest -s`` prints them): 2 ranks, 9
 diff 1/255, float max |diff| 2.15e-6. Not bit-exact: the convolutions run on band shapes, which
 moves fp rounding only (a value near a uint8 rounding boundary can flip by one level). Decoding the
 bands *without* the halo hooks (independent bands, zero-padded edges) is off by 1.38 (2 ranks) and
-1.71 (3 ranks) in float, so the bound does see seams (``SEAM_FLOOR``). The same runs decode 2
-latent frames with a narrow Wan 2.2-structured VAE (``WAN22_VAE``: residual up blocks, 2x2
-patches): float max |diff| 0 (2 ranks) and 8.3e-7 (3 ranks).
+1.71 (3 ranks) in float, so the bound does see seams (``SEAM_FLOOR``).
 
-The pipeline test runs ``WanT2VPipeline`` on 2 ranks whose decode group spans both (Ulysses
-degree 2, so one DP replica of 2 ranks; the families still compute the DiT replicated) with
-``--vae-config.use-parallel-decode`` and compares its output with the same rank's serial pipeline
-(measured: max |diff| 4.8e-7 on the ``[0, 1]`` frames, 9 frames of 64 x 32 px).
+Wan 2.2 TI2V 5B's VAE (the tiny checkpoint's config, ``wan22.tiny_wan22_vae_config``: residual up
+blocks with ``DupUp3D`` shortcuts, 2x2 patches, 48 latent channels) decodes through the same
+hooks: 2 latent frames on the same 2 / 3 ranks, float max |diff| 0 / 8.9e-7; on 4 ranks (2 latent
+rows each), 9 frames: 1.0e-6, PSNR 97.3 dB, max diff 1/255 (same bound).
+
+The pipeline tests run each Wan VAE's family (``FAMILIES``: Wan2.1 T2V; Wan2.2 I2V A14B, Wan2.1's
+VAE, with a first frame; Wan2.2 TI2V 5B, its own VAE; Helios Base, whose diffusers pipeline decodes
+each 33-frame chunk with ``vae.decode``) on 2 ranks whose decode group spans both (Ulysses degree
+2, so one DP replica of 2 ranks; the families still compute the DiT replicated) with
+``--vae-config.use-parallel-decode`` and compare the output with the same rank's serial pipeline
+(measured max |diff| on the ``[0, 1]`` frames of 64 x 32 px: 7.5e-7, 4.5e-7, 0 and 4.8e-7).
 """
 
 from __future__ import annotations
@@ -50,21 +55,15 @@ PRELOAD = ("diffusers.models.autoencoders.autoencoder_kl_wan",)
 
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
 """``wan.build_tiny_wan``'s VAE config."""
-WAN22_VAE = dict(
-    base_dim=8,
-    decoder_base_dim=16,
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=1,
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    patch_size=2,
-    scale_factor_spatial=16,
-    in_channels=12,
-    out_channels=12,
-)
-"""The Wan 2.2 (TI2V-5B) VAE's structure, narrow: residual up blocks with ``DupUp3D`` shortcuts,
-2x2 patches (``unpatchify`` after the decoder), 48 latent channels, 16x spatial."""
+
+
+def wan22_vae_config() -> dict:
+    """The Wan 2.2 (TI2V-5B) VAE's structure as the tiny checkpoint has it (``wan22.tiny_wan22_vae_config``):
+    residual up blocks with ``DupUp3D`` shortcuts, 2x2 patches (``unpatchify`` after the decoder), 48
+    latent channels, 16x spatial."""
+    from tilecast.runtime.models.families.wan22 import tiny_wan22_vae_config
+
+    return tiny_wan22_vae_config()
 
 
 def tiny_vae(config=None):
@@ -113,7 +112,7 @@ def _decode_rank(rank, world_size, rows, latent_frames):
         sizes = split_sizes(rows, world_size)
         band = latents(rows, latent_frames).narrow(3, sum(sizes[:rank]), sizes[rank])
         unsharded_band = vae.decode(band, return_dict=False)[0]  # no halos: what seams look like
-        wan22 = decode_spatial_shard(tiny_vae(WAN22_VAE), latents(rows, 2, channels=48), group)
+        wan22 = decode_spatial_shard(tiny_vae(wan22_vae_config()), latents(rows, 2, channels=48), group)
     return {"videos": videos, "short": short, "band": unsharded_band, "left": hooks_left(vae), "wan22": wan22}
 
 
@@ -144,7 +143,7 @@ def test_parallel_decode_matches_serial(world_size, latent_frames):
     assert psnr >= PSNR_BOUND_DB and max_diff <= MAX_DIFF_BOUND and float_diff <= FLOAT_BOUND
     assert seams > SEAM_FLOOR
     with torch.no_grad(), one_thread():
-        wan22_reference = tiny_vae(WAN22_VAE).decode(latents(rows, 2, channels=48), return_dict=False)[0]
+        wan22_reference = tiny_vae(wan22_vae_config()).decode(latents(rows, 2, channels=48), return_dict=False)[0]
     wan22_diff = (results[0]["wan22"] - wan22_reference).abs().max().item()
     print(
         f"Wan 2.2 VAE structure, {world_size} ranks, 5 frames of {tuple(wan22_reference.shape[3:])}: "
@@ -154,17 +153,66 @@ def test_parallel_decode_matches_serial(world_size, latent_frames):
     assert wan22_diff <= FLOAT_BOUND
 
 
-def _pipeline_rank(rank, world_size, cache):
+def _wan22_rank(rank, world_size, rows, latent_frames):
+    import torch.distributed as dist
+
+    from tilecast.runtime.models.families.wan_decode import decode_spatial_shard
+
+    with torch.no_grad():
+        return decode_spatial_shard(
+            tiny_vae(wan22_vae_config()), latents(rows, latent_frames, channels=48), dist.group.WORLD
+        )
+
+
+def test_wan22_vae_decodes_in_parallel_on_four_ranks():
+    """Wan 2.2's residual, patched VAE on 4 ranks (2 latent rows each, the fewest a rank takes), 9 frames."""
+    rows, latent_frames = 8, 3
+    with torch.no_grad(), one_thread():
+        reference = tiny_vae(wan22_vae_config()).decode(latents(rows, latent_frames, channels=48), return_dict=False)[0]
+    results = run_ranks(_wan22_rank, 4, rows, latent_frames, timeout=TIMEOUT, preload=PRELOAD)
+    assert reference.shape == (1, 3, 9, 16 * rows, 16 * 6)
+    assert all(torch.equal(result, results[0]) for result in results)
+    diff = (results[0] - reference).abs().max().item()
+    psnr, max_diff = psnr_and_max_diff(to_uint8(results[0]), to_uint8(reference))
+    print(
+        f"\nWan 2.2 VAE, 4 ranks x 2 latent rows, 9 frames: PSNR {psnr:.2f} dB, max diff {max_diff}/255, "
+        f"float max |diff| {diff:.3g}"
+    )
+    assert diff <= FLOAT_BOUND and max_diff <= MAX_DIFF_BOUND
+
+
+FAMILIES = {
+    "wan2.1-t2v": ("wan", "WanT2VPipeline", 9),
+    "wan2.2-i2v-a14b": ("wan22", "Wan22I2VPipeline", 9),
+    "wan2.2-ti2v-5b": ("wan22", "Wan22TI2VPipeline", 9),
+    "helios-base": ("helios", "HeliosT2VPipeline", 33),
+}
+"""Family -> (module under ``families``, class, frames): Wan2.1's VAE (Wan2.1, Wan2.2 A14B, Helios
+Base) and Wan2.2's residual, patched VAE (TI2V 5B); Wan2.2 I2V A14B gets a first frame (its VAE
+encodes it, then decodes in bands; T2V A14B is the same ``WanFamily`` install on the same VAE),
+Helios decodes its one chunk of 33 frames
+(Helios' pyramid rows install the same decode, in ``HeliosT2VPipeline.__init__``; measured on 2
+ranks with the tiny Distilled's 4x VAE: 5.4e-7, not run in CI)."""
+
+
+def _family(name: str):
+    import importlib
+
+    module, cls, _ = FAMILIES[name]
+    return getattr(importlib.import_module(f"tilecast.runtime.models.families.{module}"), cls)
+
+
+def _pipeline_rank(rank, world_size, cache, family):
     import torch.distributed as dist
 
     from tests.harness import make_context
-    from tilecast.runtime.models.families.common import T2VParams
-    from tilecast.runtime.models.families.wan import WanT2VPipeline
+    from tilecast.runtime.models.families import images
     from tilecast.runtime.models.families.wan_decode import ShardedWanDecode
     from tilecast.runtime.pipeline import WorkItem
     from tilecast.runtime.topology import Topology
 
     os.environ["TILECAST_CACHE"] = cache
+    cls = _family(family)
     topology = Topology(num_gpus=world_size, ulysses_degree=world_size)
     groups = topology.groups(topology.build_mesh("cpu"))
 
@@ -181,30 +229,43 @@ def _pipeline_rank(rank, world_size, cache):
             dtype="float32",
             vae=vae,
         )
-        return WanT2VPipeline.load("tiny/wan2.1-t2v", ctx), ctx
+        return cls.load(cls.builtin_name, ctx), ctx
 
     outputs = {}
+    uploads = dict(zip(images.upload_names(1), [images.example_image(32, 64)])) if cls.min_images else {}
     for name, vae in (("serial", {}), ("parallel", {"use_parallel_decode": True})):
         pipe, ctx = load(vae)
         params = pipe.prepare(
-            T2VParams(prompt="a red kite", width=32, height=64, num_frames=9, seed=5, return_tensor=True), {}
+            pipe.params_type(
+                prompt="a red kite",
+                width=32,
+                height=64,
+                num_frames=FAMILIES[family][2],
+                seed=5,
+                num_inference_steps=1,
+                return_tensor=True,
+            ),
+            uploads,
         )
-        outputs[name] = pipe.run([WorkItem(job_id=name, params=params)], ctx)[0].tensors["video"]
+        item = WorkItem(job_id=name, params=params, uploads=uploads)
+        outputs[name] = pipe.run([item], ctx)[0].tensors["video"]
         outputs[f"{name}_installed"] = isinstance(vars(pipe.pipe.vae).get("decode"), ShardedWanDecode)
+        assert pipe.parallel_decode == outputs[f"{name}_installed"]
     return outputs
 
 
-def test_wan_pipeline_decodes_in_parallel_on_two_ranks(tiny_cache):
-    from tilecast.runtime.models.families.wan import TINY_WAN
-
-    TINY_WAN.ensure(tiny_cache)  # built once here, not raced by the ranks
-    results = run_ranks(_pipeline_rank, 2, str(tiny_cache), timeout=TIMEOUT, preload=PRELOAD)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_wan_pipeline_decodes_in_parallel_on_two_ranks(tiny_cache, family):
+    """Each Wan VAE served with ``--vae-config.use-parallel-decode`` (honoured, not refused): the
+    family's output on 2 ranks equals its serial decode within ``FLOAT_BOUND``."""
+    _family(family).checkpoint.ensure(tiny_cache)  # built once here, not raced by the ranks
+    results = run_ranks(_pipeline_rank, 2, str(tiny_cache), family, timeout=TIMEOUT, preload=PRELOAD)
     for rank, result in enumerate(results):
         assert result["parallel_installed"] and not result["serial_installed"], rank
-        assert result["parallel"].shape == (9, 3, 64, 32)
+        assert result["parallel"].shape == (FAMILIES[family][2], 3, 64, 32)
         assert torch.equal(result["parallel"], results[0]["parallel"]), f"rank {rank} differs from rank 0"
         diff = (result["parallel"] - result["serial"]).abs().max().item()
-        print(f"\nWanT2VPipeline rank {rank}: parallel vs serial decode, max |diff| {diff:.3g} on [0, 1] frames")
+        print(f"\n{family} rank {rank}: parallel vs serial decode, max |diff| {diff:.3g} on [0, 1] frames")
         assert diff <= FLOAT_BOUND, (rank, diff)
 
 

@@ -263,6 +263,17 @@ def tiny_qwen_text_config(tokenizer, *, hidden_size: int) -> dict:
     )
 
 
+VIDEO_VAE_REASONS = {
+    "vae.use_parallel_tiling": (
+        "whole-tile decode spreads K6 SR's decode tiles over the ranks; this video VAE decodes untiled: "
+        "--vae-config.use-parallel-decode splits it by rows instead"
+    ),
+    "vae.fast_decode": "K6 SR's K-VAE only",
+}
+"""Why the video families (Wan, Helios, HunyuanVideo, LTX-2) refuse the other ``--vae-config.*``
+settings (their ``unsupported_reasons``); each honours ``--vae-config.use-parallel-decode``."""
+
+
 TINY_DIT = dict(num_layers=1, num_attention_heads=2, attention_head_dim=16)
 """One block of two 16-wide attention heads: the tiny FLUX, Qwen-Image and Wan transformers (their
 classes name these arguments alike). Two heads, so that Ulysses 2 can split them."""

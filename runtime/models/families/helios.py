@@ -43,6 +43,9 @@ output gathered (``sp_attention.HeliosSequenceParallelProcessor``: self-attentio
 with ``is_amplify_history``'s history-key scaling by global position; cross-attention to the
 replicated text locally). The plan names the released model's 40 blocks by index, so the tiny
 transformers keep 40 (tiny) blocks. 2 and 4 gloo ranks match one rank within 5e-6.
+``--vae-config.use-parallel-decode``: the VAE is Wan's ``AutoencoderKLWan``, and diffusers decodes
+each chunk with ``vae.decode``, so each chunk's decode splits by row bands across the decode group
+as Wan's does (``wan_decode``; 2 ranks match the serial decode within 1e-5, ``tests/test_wan_decode.py``).
 
 Two diffusers 0.42.1 gaps are covered here: CFG-Zero* views the transformer's output, which is not
 contiguous where a pyramid stage is one patch wide (``_contiguous_output``); and the Helios
@@ -219,6 +222,12 @@ class HeliosT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {
+        "vae.use_parallel_decode",
+        "vae.parallel_decode_mode",
+    }
+    """Also the parallel decode settings (``wan_decode.install`` reads them)."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
 
     @classmethod
     def build_diffusers(cls, model_path: str, device, dtype):
@@ -226,9 +235,13 @@ class HeliosT2VPipeline(DiffusersBatchPipeline):
         return super().build_diffusers(model_path, device, dtype)
 
     def __init__(self, pipe, ctx) -> None:
+        from tilecast.runtime.models.families import wan_decode  # imports diffusers' Wan VAE module
+
         super().__init__(pipe, ctx)
         self.vae_temporal = pipe.vae_scale_factor_temporal
         """Frames per latent frame after the first (4, the Wan VAE's)."""
+        self.parallel_decode = wan_decode.install(pipe.vae, ctx, self.family)
+        """Whether each chunk's VAE decode is split by rows across the decode group (``wan_decode``)."""
 
     def chunks(self, params) -> int:
         """Autoregressive chunks ``params`` generates."""

@@ -31,6 +31,9 @@ for ``HunyuanVideoTransformer3DModel``): the token refiner runs on the whole tex
 then the video tokens and the text are split over the ranks for the dual- and single-stream blocks
 (joint ``[video, text]`` attention across the ranks, the text's padding masked) and the video
 gathered after the output projection. 2 and 4 gloo ranks match one rank within 4e-6.
+``--vae-config.use-parallel-decode`` splits the VAE decode by row bands across the decode group
+(``hunyuan_decode``: halo rows for the causal convs, group-norm statistics combined across the
+bands, the mid block's attention on the gathered map).
 """
 
 from __future__ import annotations
@@ -195,6 +198,12 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
     output_kind = "video"
     per_request_fields = DiffusersBatchPipeline.per_request_fields + ("fps",)
     """``fps`` only stamps the written file, so requests with different rates still merge."""
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {
+        "vae.use_parallel_decode",
+        "vae.parallel_decode_mode",
+    }
+    """Also the parallel decode settings (``hunyuan_decode.install`` reads them)."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
 
     @classmethod
     def install_fast_paths(cls, pipe, settings) -> None:
@@ -216,7 +225,11 @@ class HunyuanVideoT2VPipeline(DiffusersBatchPipeline):
         return pipeline
 
     def __init__(self, pipe, ctx) -> None:
+        from tilecast.runtime.models.families import hunyuan_decode  # imports diffusers' HunyuanVideo VAE
+
         super().__init__(pipe, ctx)
+        self.parallel_decode = hunyuan_decode.install(pipe.vae, ctx, self.family)
+        """Whether the VAE decode is split by rows across the decode group (``hunyuan_decode``)."""
         self.row = "HunyuanVideo"
         """Which release's defaults this instance serves (``HunyuanVideo`` or ``FastHunyuan``)."""
 

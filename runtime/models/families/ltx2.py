@@ -37,7 +37,9 @@ tokens and the video text (and gathers ``proj_out``), ``ltx2_cp_plan`` adds imag
 timestep; the audio stream stays whole on every rank.
 ``sp_attention.LTX2SequenceParallelProcessor`` runs each of the block's six attention kinds
 accordingly (see there), cutting the video rotary tables the plan leaves whole ("split" layout,
-cross-modal tables) to the rank's tokens.
+cross-modal tables) to the rank's tokens. ``--vae-config.use-parallel-decode`` splits the video VAE's
+decode by row bands across the decode group (``ltx2_decode``: halo rows with reflect padding at the
+true edges); the audio VAE and vocoder decode replicated.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import dataclasses
 import logging
 
 from tilecast.runtime.models.families import images, tokenizers
-from tilecast.runtime.models.families.common import DiffusersBatchPipeline, I2VParams, TinyCheckpoint
+from tilecast.runtime.models.families.common import VIDEO_VAE_REASONS, DiffusersBatchPipeline, I2VParams, TinyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -242,9 +244,19 @@ class LTX2T2VPipeline(DiffusersBatchPipeline):
     max_sequence_length_limit = 1024
     output_kind = "video"
     output_audio = True
+    honoured_settings = DiffusersBatchPipeline.honoured_settings | {
+        "vae.use_parallel_decode",
+        "vae.parallel_decode_mode",
+    }
+    """Also the parallel decode settings (``ltx2_decode.install`` reads them)."""
+    unsupported_reasons = VIDEO_VAE_REASONS
 
     def __init__(self, pipe, ctx) -> None:
+        from tilecast.runtime.models.families import ltx2_decode  # imports diffusers' LTX-2 video VAE
+
         super().__init__(pipe, ctx)
+        self.parallel_decode = ltx2_decode.install(pipe.vae, ctx, self.family)
+        """Whether the video VAE decode is split by rows across the decode group (``ltx2_decode``)."""
         self.recipe = RECIPES[self.version_of(pipe)]
         """The card recipe of the loaded checkpoint."""
         self.default_steps = self.recipe.steps

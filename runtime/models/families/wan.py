@@ -309,6 +309,7 @@ class WanFamily(DiffusersBatchPipeline):
     """Also the parallel decode settings, which ``wan_decode.install`` reads (the other
     ``--vae-config.*`` settings are refused), the experts' CPU offload and the dense-attention
     fallback of sparse-attention releases."""
+    unsupported_reasons = common.VIDEO_VAE_REASONS
     variants: ClassVar[dict[str, WanDefaults]] = {}
     """Released id hint -> that checkpoint's card defaults (the longest hint found wins)."""
     fallback_variant: ClassVar[str | None] = None
@@ -325,7 +326,7 @@ class WanFamily(DiffusersBatchPipeline):
         self.defaults = TINY_DEFAULTS
         """The card defaults of the loaded checkpoint (``load`` sets them)."""
         self.variant: str | None = None
-        self.parallel_decode = wan_decode.install(pipe.vae, ctx) if self.parallel_decode_ok(pipe) else False
+        self.parallel_decode = wan_decode.install(pipe.vae, ctx, self.family)
         """Whether the VAE decode is split by rows across the decode group (``wan_decode``)."""
         self.expert_offload: ExpertOffload | None = None
         self.streamers: dict = {}
@@ -338,10 +339,6 @@ class WanFamily(DiffusersBatchPipeline):
         super().install_fast_paths(pipe, settings)
         if settings.compile and getattr(pipe, "transformer_2", None) is not None:
             pipe.transformer_2.compile_repeated_blocks()
-
-    def parallel_decode_ok(self, pipe) -> bool:
-        """Whether ``wan_decode`` can split this VAE (Wan2.1's; Wan2.2's residual VAE refuses)."""
-        return True
 
     @classmethod
     def variant_for(cls, model_path: str, model_id: str | None) -> str | None:

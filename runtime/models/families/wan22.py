@@ -15,7 +15,8 @@ patchify, 48 latent channels; tiny widths here) and a 48-channel transformer. Wi
 is text-to-video (``WanPipeline``); with one image it is image-to-video through diffusers'
 ``WanImageToVideoPipeline`` over the same components (the first latent frame is the image's and
 keeps timestep 0, ``expand_timesteps``), as diffusers' TI2V example loads it. Sizes are multiples
-of 32; the VAE's parallel decode (``wan_decode``) is Wan2.1's and is refused here.
+of 32. ``--vae-config.use-parallel-decode`` splits the residual VAE's decode by rows as it does
+Wan2.1's (``wan_decode``: the ``DupUp3D`` shortcuts and the final unpatchify are row-local).
 
 Defaults (Wan-AI cards): T2V A14B 1280 x 720, 81 frames at 16 fps, 40 steps, guidance 4.0 / 3.0 (high /
 low noise); I2V A14B 1280 x 720 (``max_area`` of the image's aspect ratio), 81 frames, 40 steps, 3.5 /
@@ -204,8 +205,6 @@ class Wan22TI2VPipeline(WanFamily):
     min_images = 0
     max_images = 1
     batch_shares_images = True
-    honoured_settings = WanFamily.honoured_settings - {"vae.use_parallel_decode", "vae.parallel_decode_mode"}
-    """Not the parallel decode: ``wan_decode`` splits Wan2.1's VAE, not Wan2.2's residual one."""
     variants = {
         "Wan2.2-TI2V-5B": WanDefaults(width=1280, height=704, num_frames=121, fps=24, steps=50, guidance=5.0),
         "FastWan2.2-TI2V-5B-FullAttn": WanDefaults(  # FastVideo: DMD at 1000/757/522 (shift 5), dense attention
@@ -236,9 +235,6 @@ class Wan22TI2VPipeline(WanFamily):
         )
         """Diffusers' image-to-video call over the same components (requests with an image)."""
         self.i2v.set_progress_bar_config(disable=True)
-
-    def parallel_decode_ok(self, pipe) -> bool:
-        return False
 
     def image_kwargs(self, items: list[WorkItem]) -> dict[str, Any]:
         frames = images.load_images(items[0].uploads)

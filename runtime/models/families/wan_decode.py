@@ -60,14 +60,18 @@ fp rounding only. Measured on the tiny checkpoint's VAE in fp32 against serial `
 to each neighbour per conv call, and the frame gather runs once per latent frame, at 1/64 of the
 pixels. Not measured on several GPUs yet (only one-GPU machines were available).
 
-**Settings** (:func:`install`, called by ``WanT2VPipeline``): ``--vae-config.use-parallel-decode``
+**Settings** (:func:`install`, called by every Wan family: Wan2.1 T2V / I2V, Wan2.2 A14B with
+Wan2.1's VAE, Wan2.2 TI2V 5B with its residual, patched VAE; and by Helios, whose pipelines decode
+each chunk with ``vae.decode``; :func:`decode_group` serves ``hunyuan_decode`` and ``ltx2_decode``
+too): ``--vae-config.use-parallel-decode``
 with ``--vae-config.parallel-decode-mode spatial_shard`` means here what it means for K6 SR: split
 the height across the decode group with halo exchange, not bit-exact. For Wan the "tile" is the
 whole frame (the Wan pipeline does not tile). The decode group is ``ctx.groups.decode_group``, the
 ranks of one DP replica; with one rank per replica (``--num-gpus 2`` and no Ulysses, Ring or TP
 degree) it has one rank and the setting has no effect (a warning says so).
 ``--vae-config.use-parallel-tiling`` (whole tiles) and ``--vae-config.fast-decode`` (K-VAE only)
-have no meaning for Wan: ``WanT2VPipeline.load`` refuses them, like every setting it does not honour.
+have no meaning for Wan: the families' ``load`` refuses them with that reason
+(``common.VIDEO_VAE_REASONS``), like every setting they do not honour.
 
 Bands: latent rows split as evenly as possible (uneven 3/3/2 is fine,
 ``k6sr.spatial_shard.shard_sizes``); a video with fewer than ``MIN_ROWS_PER_SHARD`` latent rows per
@@ -104,7 +108,14 @@ from tilecast.runtime.models.k6sr.tile_parallel import select_decode_mode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_ROWS_PER_SHARD", "ShardedWanDecode", "decode_spatial_shard", "install", "sharded_wan_decoder"]
+__all__ = [
+    "MIN_ROWS_PER_SHARD",
+    "ShardedWanDecode",
+    "decode_group",
+    "decode_spatial_shard",
+    "install",
+    "sharded_wan_decoder",
+]
 
 ROW_DIM = 3
 """The row dim of ``BCTHW`` tensors (``x_NCHW``: 2)."""
@@ -295,12 +306,13 @@ class ShardedWanDecode:
         return f"ShardedWanDecode(group of {group_size(self.group)} ranks)"
 
 
-def install(vae, ctx) -> bool:
-    """Make ``vae.decode`` the sharded decode over ``ctx.groups.decode_group`` when
-    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
-    whether it did. Reads ``ctx.settings.vae`` (the other ``--vae-config.*`` settings are refused
-    by ``WanT2VPipeline.load`` before this runs); warns (rank 0) when the decode group has one rank.
-    Raises ``ValueError`` for a decode mode other than ``spatial_shard``."""
+def decode_group(ctx, family: str):
+    """The group a family's spatial-shard VAE decode splits over: ``ctx.groups.decode_group`` (the
+    ranks of one DP replica) when ``--vae-config.use-parallel-decode`` asks for it and the group
+    has more than one rank, else None. Reads ``ctx.settings.vae`` (the other ``--vae-config.*``
+    settings are refused by the family's ``load`` before this runs); warns (rank 0, naming
+    ``family``) when the decode group has one rank. Raises ``ValueError`` for a decode mode other
+    than ``spatial_shard``."""
     vae_settings = ctx.settings.vae
     group = ctx.groups.decode_group if ctx.groups is not None else None
     num_ranks = group_size(group) if group is not None else 1
@@ -308,12 +320,21 @@ def install(vae, ctx) -> bool:
     if ctx.rank == 0:
         if vae_settings.use_parallel_decode and mode == "serial":
             logger.warning(
-                "wan2.1-t2v: --vae-config.use-parallel-decode has no effect: the decode group (the ranks of one "
+                "%s: --vae-config.use-parallel-decode has no effect: the decode group (the ranks of one "
                 "data-parallel replica) has one rank; give a replica several ranks with --ulysses-degree, "
-                "--ring-degree or --tp-size"
+                "--ring-degree or --tp-size",
+                family,
             )
-    if mode != "spatial_shard":
+    return group if mode == "spatial_shard" else None
+
+
+def install(vae, ctx, family: str = "wan") -> bool:
+    """Make ``vae.decode`` the sharded decode over the decode group (:func:`decode_group`) when
+    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
+    whether it did. ``family`` names the family in the log lines."""
+    group = decode_group(ctx, family)
+    if group is None:
         return False
     vae.decode = ShardedWanDecode(vae, group)
-    logger.info("wan2.1-t2v: VAE decode split by rows across the decode group of %d ranks", num_ranks)
+    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
     return True
