@@ -54,19 +54,17 @@ resolution). Exchanged: per group norm call one ``all_gather`` of ``3 x batch x 
 values, per 3x3 conv call one halo row to each neighbour, per mid-block attention the latent map's
 rows. Not measured on GPUs yet (no several-GPU machine was available).
 
-Settings and bands are Wan's (``wan_decode.decode_group``): ``--vae-config.use-parallel-decode``
-with the ``spatial_shard`` mode, the decode group of one DP replica, latent rows split as evenly as
-possible (``k6sr.spatial_shard.shard_sizes``), replicated decode for fewer than
-``MIN_ROWS_PER_SHARD`` rows per rank or a group of one.
+Settings, bands and the driver are ``row_band_decode``'s, as for Wan:
+``--vae-config.use-parallel-decode`` with the ``spatial_shard`` mode, the decode group of one DP
+replica, latent rows split as evenly as possible (``k6sr.spatial_shard.shard_sizes``), replicated
+decode for fewer than ``MIN_ROWS_PER_SHARD`` rows per rank or a group of one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import types
+import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,19 +78,23 @@ from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
     HunyuanVideoUpBlock3D,
     HunyuanVideoUpsampleCausal3D,
 )
-from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
 
-from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_pad
-from tilecast.runtime.models.families.wan_decode import decode_group
-from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
-
-logger = logging.getLogger(__name__)
+from tilecast.kernels.halo import group_rank, group_size, halo_pad
+from tilecast.runtime.models.families import row_band_decode
+from tilecast.runtime.models.families.row_band_decode import (
+    MIN_ROWS_PER_SHARD,
+    ROW_DIM,
+    ShardedDecode,
+    attribute_set,
+    decode_rows,
+    forward_swapped,
+    gather_bands,
+    refusal,
+    row_factor,
+)
 
 __all__ = ["MIN_ROWS_PER_SHARD", "ShardedHunyuanDecode", "decode_spatial_shard", "install", "sharded_hunyuan_decoder"]
-
-ROW_DIM = 3
-"""The row dim of ``BCTHW`` tensors."""
 
 _ROW_LOCAL = (
     HunyuanVideoDecoder3D,
@@ -109,11 +111,8 @@ PAD_MODES = ("replicate", "constant", "reflect")
 """Padding modes of ``HunyuanVideoCausalConv3d`` a band reproduces at the true edges (``halo_pad``)."""
 
 
-def _refuse(name: str, module: nn.Module, why: str) -> RuntimeError:
-    return RuntimeError(
-        f"HunyuanVideo spatial-shard decode cannot shard {name!r} ({type(module).__name__}: {why}); "
-        "decode without --vae-config.use-parallel-decode"
-    )
+_refuse = functools.partial(refusal, "HunyuanVideo")
+"""``_refuse(name, module, why)``: the error for a decoder module this decode cannot shard."""
 
 
 # ----------------------------------------------------------------------------------- row-mixing ops
@@ -220,11 +219,8 @@ def _mid_block_forward(sizes: list[int], group):
         x_BCTHW = module.resnets[0](x_BCTHW)
         for attn, resnet in zip(module.attentions, module.resnets[1:]):
             if attn is not None:
-                factor, remainder = divmod(x_BCTHW.shape[ROW_DIM], sizes[index])
-                assert remainder == 0, (tuple(x_BCTHW.shape), sizes)
-                full_BCTHW = gather_rows(
-                    x_BCTHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group
-                )
+                factor = row_factor(x_BCTHW, sizes, group)
+                full_BCTHW = gather_bands(x_BCTHW, sizes, group)
                 x_BCTHW = _band_attention(attn, full_BCTHW, sum(sizes[:index]) * factor, sizes[index] * factor)
             x_BCTHW = resnet(x_BCTHW)
         return x_BCTHW
@@ -290,84 +286,37 @@ def sharded_hunyuan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iter
     exit, also after an error. Every decoder call inside is collective over ``group``.
     """
     plan = _plan(decoder)
-    swapped: list[tuple[nn.Module, Any, tuple | None]] = []
-    try:
+    with contextlib.ExitStack() as restore:
         for _, module in plan:
-            saved = vars(module).get("forward")
-            padding = None
             if isinstance(module, HunyuanVideoCausalConv3d):
                 halo = module.time_causal_padding[2]
-                padding = module.time_causal_padding
-                pad = list(padding)
+                pad = list(module.time_causal_padding)
                 pad[2] = pad[3] = 0
-                module.time_causal_padding = tuple(pad)
+                restore.enter_context(attribute_set(module, "time_causal_padding", tuple(pad)))
                 forward = _causal_conv_forward(halo, group)
             elif isinstance(module, nn.GroupNorm):
                 forward = _group_norm_forward(group)
             else:
                 forward = _mid_block_forward(sizes, group)
-            swapped.append((module, saved, padding))
-            module.forward = types.MethodType(forward, module)
+            restore.enter_context(forward_swapped(module, forward))
         yield
-    finally:
-        for module, saved, padding in reversed(swapped):
-            if saved is None:
-                del module.forward
-            else:
-                module.forward = saved
-            if padding is not None:
-                module.time_causal_padding = padding
 
 
 def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group) -> torch.Tensor:
-    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLHunyuanVideo``; the same latents on every
-    rank) split by rows across ``group``: the whole ``video_BCFHW`` on every rank.
-
-    Decodes replicated (``vae.decode`` on every rank, no collectives) when ``group`` has one rank
-    or the latents have fewer than ``MIN_ROWS_PER_SHARD`` rows per rank. Raises ``ValueError`` when
-    diffusers' spatial VAE tiling is enabled (it would tile each band on its own).
-    """
-    decode = type(vae).decode  # the class's method: an instance's ShardedHunyuanDecode must not recurse
-    if getattr(vae, "use_tiling", False):
-        raise ValueError(
-            "HunyuanVideo parallel VAE decode does not combine with diffusers' VAE tiling (vae.enable_tiling)"
-        )
-    num_rows = latents_BCTHW.shape[ROW_DIM]
-    sizes = shard_sizes(num_rows, group)
-    if sizes is None:
-        logger.debug("HunyuanVideo decode: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
-        return decode(vae, latents_BCTHW, return_dict=False)[0]
-    index = group_rank(group)
-    band_BCTHW = latents_BCTHW.narrow(ROW_DIM, sum(sizes[:index]), sizes[index])
-    with sharded_hunyuan_decoder(vae.decoder, sizes, group):
-        video_BCFHW = decode(vae, band_BCTHW, return_dict=False)[0]
-    factor, remainder = divmod(video_BCFHW.shape[ROW_DIM], sizes[index])
-    assert remainder == 0, (tuple(video_BCFHW.shape), sizes)
-    return gather_rows(video_BCFHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group)
+    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLHunyuanVideo``) split by rows across
+    ``group``: the whole ``video_BCFHW`` on every rank (``row_band_decode.decode_rows``: replicated
+    for a group of one or too few rows, ``ValueError`` with diffusers' spatial VAE tiling)."""
+    return decode_rows(vae, latents_BCTHW, group, family="HunyuanVideo", sharded_decoder=sharded_hunyuan_decoder)
 
 
-class ShardedHunyuanDecode:
-    """Stands in for ``vae.decode`` on an ``AutoencoderKLHunyuanVideo`` (an instance attribute), so
-    diffusers' ``HunyuanVideoPipeline`` decodes through :func:`decode_spatial_shard` on ``group``."""
+class ShardedHunyuanDecode(ShardedDecode):
+    """Stands in for ``vae.decode`` on an ``AutoencoderKLHunyuanVideo``, so diffusers'
+    ``HunyuanVideoPipeline`` decodes through :func:`decode_spatial_shard`."""
 
-    def __init__(self, vae, group) -> None:
-        self.vae, self.group = vae, group
-
-    def __call__(self, z: torch.Tensor, return_dict: bool = True):
-        video_BCFHW = decode_spatial_shard(self.vae, z, self.group)
-        return DecoderOutput(sample=video_BCFHW) if return_dict else (video_BCFHW,)
-
-    def __repr__(self) -> str:
-        return f"ShardedHunyuanDecode(group of {group_size(self.group)} ranks)"
+    decode_rows = staticmethod(decode_spatial_shard)
 
 
 def install(vae, ctx, family: str = "hunyuanvideo") -> bool:
-    """Make ``vae.decode`` the sharded decode over the decode group when
-    ``--vae-config.use-parallel-decode`` asks for it and the group has several ranks (see
-    ``wan_decode.decode_group``); returns whether it did."""
-    group = decode_group(ctx, family)
-    if group is None:
-        return False
-    vae.decode = ShardedHunyuanDecode(vae, group)
-    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
-    return True
+    """Make ``vae.decode`` a :class:`ShardedHunyuanDecode` over the decode group when the settings
+    ask for it (``row_band_decode.install``); returns whether it did."""
+    return row_band_decode.install(vae, ctx, family, ShardedHunyuanDecode)

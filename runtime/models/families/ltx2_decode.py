@@ -34,19 +34,18 @@ ranks): fp32 max |diff| 3.8e-6, uint8 frames PSNR 95 dB, max diff 1/255; float64
 Per 3x3 conv call one halo row goes to each neighbour; nothing else is exchanged until the bands
 are gathered. Not measured on GPUs yet (no several-GPU machine was available).
 
-Settings and bands are Wan's (``wan_decode.decode_group``: ``--vae-config.use-parallel-decode``,
-the decode group of one DP replica, ``k6sr.spatial_shard.shard_sizes``, replicated decode for
-fewer than ``MIN_ROWS_PER_SHARD`` latent rows per rank). With LTX-2's 32x spatial compression a
-512-pixel-high video has 16 latent rows: 8 ranks at most split it.
+Settings, bands and the driver are ``row_band_decode``'s, as for Wan
+(``--vae-config.use-parallel-decode``, the decode group of one DP replica,
+``k6sr.spatial_shard.shard_sizes``, replicated decode for fewer than ``MIN_ROWS_PER_SHARD`` latent
+rows per rank). With LTX-2's 32x spatial compression a 512-pixel-high video has 16 latent rows: 8
+ranks at most split it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import types
+import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,19 +58,20 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import (
     LTX2VideoUpsampler3d,
     PerChannelRMSNorm,
 )
-from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
 
-from tilecast.kernels.halo import PAD_MODES, gather_rows, group_rank, group_size, halo_pad
-from tilecast.runtime.models.families.wan_decode import decode_group
-from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
-
-logger = logging.getLogger(__name__)
+from tilecast.kernels.halo import PAD_MODES, halo_pad
+from tilecast.runtime.models.families import row_band_decode
+from tilecast.runtime.models.families.row_band_decode import (
+    MIN_ROWS_PER_SHARD,
+    ROW_DIM,
+    ShardedDecode,
+    decode_rows,
+    forward_swapped,
+    refusal,
+)
 
 __all__ = ["MIN_ROWS_PER_SHARD", "ShardedLTX2Decode", "decode_spatial_shard", "install", "sharded_ltx2_decoder"]
-
-ROW_DIM = 3
-"""The row dim of ``BCTHW`` tensors."""
 
 _ROW_LOCAL = (
     LTX2VideoDecoder3d,
@@ -89,11 +89,8 @@ _ROW_LOCAL = (
 submodules are checked on their own."""
 
 
-def _refuse(name: str, module: nn.Module, why: str) -> RuntimeError:
-    return RuntimeError(
-        f"LTX-2 spatial-shard decode cannot shard {name!r} ({type(module).__name__}: {why}); "
-        "decode without --vae-config.use-parallel-decode"
-    )
+_refuse = functools.partial(refusal, "LTX-2")
+"""``_refuse(name, module, why)``: the error for a decoder module this decode cannot shard."""
 
 
 def _causal_conv_forward(group):
@@ -162,71 +159,38 @@ def sharded_ltx2_decoder(decoder: nn.Module, group) -> Iterator[None]:
     (``RuntimeError`` naming the module) a decoder with a module it does not know how to shard.
     Every decoder call inside is collective over ``group``."""
     plan = _plan(decoder)
-    swapped: list[tuple[nn.Module, Any]] = []
-    try:
+    with contextlib.ExitStack() as restore:
         for _, module in plan:
-            swapped.append((module, vars(module).get("forward")))
-            module.forward = types.MethodType(_causal_conv_forward(group), module)
+            restore.enter_context(forward_swapped(module, _causal_conv_forward(group)))
         yield
-    finally:
-        for module, saved in reversed(swapped):
-            if saved is None:
-                del module.forward
-            else:
-                module.forward = saved
 
 
 def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group, temb=None, causal=None) -> torch.Tensor:
-    """``vae.decode(latents_BCTHW, temb, causal)`` (an ``AutoencoderKLLTX2Video``; the same latents
-    on every rank) split by rows across ``group``: the whole ``video_BCFHW`` on every rank.
-
-    Decodes replicated (no collectives) when ``group`` has one rank or the latents have fewer than
-    ``MIN_ROWS_PER_SHARD`` rows per rank. Raises ``ValueError`` when diffusers' VAE tiling or
-    framewise decoding is enabled (they would tile each band on its own).
-    """
-    decode = type(vae).decode  # the class's method: an instance's ShardedLTX2Decode must not recurse
-    if getattr(vae, "use_tiling", False) or getattr(vae, "use_framewise_decoding", False):
-        raise ValueError(
-            "LTX-2 parallel VAE decode does not combine with diffusers' VAE tiling "
-            "(vae.enable_tiling / framewise decoding)"
-        )
-    num_rows = latents_BCTHW.shape[ROW_DIM]
-    sizes = shard_sizes(num_rows, group)
-    if sizes is None:
-        logger.debug("LTX-2 decode: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
-        return decode(vae, latents_BCTHW, temb, causal, return_dict=False)[0]
-    index = group_rank(group)
-    band_BCTHW = latents_BCTHW.narrow(ROW_DIM, sum(sizes[:index]), sizes[index])
-    with sharded_ltx2_decoder(vae.decoder, group):
-        video_BCFHW = decode(vae, band_BCTHW, temb, causal, return_dict=False)[0]
-    factor, remainder = divmod(video_BCFHW.shape[ROW_DIM], sizes[index])
-    assert remainder == 0, (tuple(video_BCFHW.shape), sizes)
-    return gather_rows(video_BCFHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group)
+    """``vae.decode(latents_BCTHW, temb, causal)`` (an ``AutoencoderKLLTX2Video``) split by rows
+    across ``group``: the whole ``video_BCFHW`` on every rank (``row_band_decode.decode_rows``:
+    replicated for a group of one or too few rows, ``ValueError`` with diffusers' VAE tiling or
+    framewise decoding, which would tile each band on its own)."""
+    return decode_rows(
+        vae,
+        latents_BCTHW,
+        group,
+        temb,
+        causal,
+        family="LTX-2",
+        sharded_decoder=lambda decoder, sizes, group: sharded_ltx2_decoder(decoder, group),
+        tiling=("use_tiling", "use_framewise_decoding"),
+        tiling_names="vae.enable_tiling / framewise decoding",
+    )
 
 
-class ShardedLTX2Decode:
-    """Stands in for ``vae.decode`` on an ``AutoencoderKLLTX2Video`` (an instance attribute), so
-    diffusers' LTX-2 pipelines decode through :func:`decode_spatial_shard` on ``group``; same
-    signature and return types as ``AutoencoderKLLTX2Video.decode``."""
+class ShardedLTX2Decode(ShardedDecode):
+    """Stands in for ``vae.decode`` on an ``AutoencoderKLLTX2Video``, so diffusers' LTX-2 pipelines
+    decode through :func:`decode_spatial_shard` (``temb`` and ``causal`` pass through)."""
 
-    def __init__(self, vae, group) -> None:
-        self.vae, self.group = vae, group
-
-    def __call__(self, z: torch.Tensor, temb=None, causal=None, return_dict: bool = True):
-        video_BCFHW = decode_spatial_shard(self.vae, z, self.group, temb, causal)
-        return DecoderOutput(sample=video_BCFHW) if return_dict else (video_BCFHW,)
-
-    def __repr__(self) -> str:
-        return f"ShardedLTX2Decode(group of {group_size(self.group)} ranks)"
+    decode_rows = staticmethod(decode_spatial_shard)
 
 
 def install(vae, ctx, family: str = "ltx-2") -> bool:
-    """Make ``vae.decode`` the sharded decode over the decode group when
-    ``--vae-config.use-parallel-decode`` asks for it and the group has several ranks (see
-    ``wan_decode.decode_group``); returns whether it did."""
-    group = decode_group(ctx, family)
-    if group is None:
-        return False
-    vae.decode = ShardedLTX2Decode(vae, group)
-    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
-    return True
+    """Make ``vae.decode`` a :class:`ShardedLTX2Decode` over the decode group when the settings ask
+    for it (``row_band_decode.install``); returns whether it did."""
+    return row_band_decode.install(vae, ctx, family, ShardedLTX2Decode)

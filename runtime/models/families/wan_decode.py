@@ -62,9 +62,9 @@ pixels. Not measured on several GPUs yet (only one-GPU machines were available).
 
 **Settings** (:func:`install`, called by every Wan family: Wan2.1 T2V / I2V, Wan2.2 A14B with
 Wan2.1's VAE, Wan2.2 TI2V 5B with its residual, patched VAE; and by Helios, whose pipelines decode
-each chunk with ``vae.decode``; :func:`decode_group` serves ``hunyuan_decode`` and ``ltx2_decode``
-too): ``--vae-config.use-parallel-decode``
-with ``--vae-config.parallel-decode-mode spatial_shard`` means here what it means for K6 SR: split
+each chunk with ``vae.decode``; the settings, the driver and the stand-in are ``row_band_decode``'s,
+shared with ``hunyuan_decode`` and ``ltx2_decode``): ``--vae-config.use-parallel-decode`` with
+``--vae-config.parallel-decode-mode spatial_shard`` means here what it means for K6 SR: split
 the height across the decode group with halo exchange, not bit-exact. For Wan the "tile" is the
 whole frame (the Wan pipeline does not tile). The decode group is ``ctx.groups.decode_group``, the
 ranks of one DP replica; with one rank per replica (``--num-gpus 2`` and no Ulysses, Ring or TP
@@ -81,9 +81,7 @@ rank, or a group of one, decodes replicated (no collectives).
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
@@ -99,14 +97,20 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
     WanUpBlock,
     WanUpsample,
 )
-from diffusers.models.autoencoders.vae import DecoderOutput
 from torch import nn
 
-from tilecast.kernels.halo import gather_rows, group_rank, group_size, halo_exchange
-from tilecast.runtime.models.k6sr.spatial_shard import MIN_ROWS_PER_SHARD, shard_sizes
-from tilecast.runtime.models.k6sr.tile_parallel import select_decode_mode
-
-logger = logging.getLogger(__name__)
+from tilecast.kernels.halo import group_rank, halo_exchange
+from tilecast.runtime.models.families import row_band_decode
+from tilecast.runtime.models.families.row_band_decode import (
+    MIN_ROWS_PER_SHARD,
+    ROW_DIM,
+    ShardedDecode,
+    attribute_set,
+    decode_group,
+    decode_rows,
+    gather_bands,
+    refusal,
+)
 
 __all__ = [
     "MIN_ROWS_PER_SHARD",
@@ -116,9 +120,6 @@ __all__ = [
     "install",
     "sharded_wan_decoder",
 ]
-
-ROW_DIM = 3
-"""The row dim of ``BCTHW`` tensors (``x_NCHW``: 2)."""
 
 _ROW_LOCAL = (
     WanDecoder3d,
@@ -148,11 +149,8 @@ def _check_row_kernel(name: str, conv: nn.Module) -> None:
     kernel, padding = conv.kernel_size[-2], _row_padding(conv)
     stride = conv.stride[-2]
     if kernel > 1 and (kernel != 2 * padding + 1 or stride != 1 or conv.padding_mode != "zeros"):
-        raise RuntimeError(
-            f"Wan spatial-shard decode cannot shard {name!r} ({type(conv).__name__}: row kernel {kernel}, "
-            f"padding {padding}, stride {stride}, {conv.padding_mode} padding); decode without "
-            "--vae-config.use-parallel-decode"
-        )
+        why = f"row kernel {kernel}, padding {padding}, stride {stride}, {conv.padding_mode} padding"
+        raise refusal("Wan", name, conv, why)
 
 
 def _causal_conv_hook(halo: int, group):
@@ -190,10 +188,7 @@ def _attention_hooks(sizes: list[int], group):
     index = group_rank(group)
 
     def gather(module, args):
-        x_BCTHW = args[0]
-        factor, remainder = divmod(x_BCTHW.shape[ROW_DIM], sizes[index])
-        assert remainder == 0, (tuple(x_BCTHW.shape), sizes)
-        return (gather_rows(x_BCTHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group),)
+        return (gather_bands(args[0], sizes, group),)
 
     def keep_band(module, args, output_BCTHW):
         factor, remainder = divmod(output_BCTHW.shape[ROW_DIM], sum(sizes))
@@ -238,103 +233,41 @@ def sharded_wan_decoder(decoder: nn.Module, sizes: list[int], group) -> Iterator
                 f"Wan spatial-shard decode does not know decoder module {name!r} ({type(module).__name__}); "
                 "decode without --vae-config.use-parallel-decode"
             )
-    handles: list[Any] = []
-    padded: list[tuple[nn.Module, str, tuple]] = []
-    try:
+    with contextlib.ExitStack() as restore:
         for module in plan:
             if isinstance(module, WanAttentionBlock):
                 gather, keep_band = _attention_hooks(sizes, group)
-                handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(keep_band)]
+                restore.callback(module.register_forward_pre_hook(gather).remove)
+                restore.callback(module.register_forward_hook(keep_band).remove)
                 continue
             halo = _row_padding(module)
             if isinstance(module, WanCausalConv3d):
-                padded.append((module, "_padding", module._padding))
                 pad = list(module._padding)
                 pad[2] = pad[3] = 0
-                module._padding = tuple(pad)
-                handles.append(module.register_forward_pre_hook(_causal_conv_hook(halo, group), with_kwargs=True))
+                restore.enter_context(attribute_set(module, "_padding", tuple(pad)))
+                hook = module.register_forward_pre_hook(_causal_conv_hook(halo, group), with_kwargs=True)
             else:
-                padded.append((module, "padding", module.padding))
-                module.padding = (0, module.padding[1])
-                handles.append(module.register_forward_pre_hook(_conv2d_hook(halo, group)))
+                restore.enter_context(attribute_set(module, "padding", (0, module.padding[1])))
+                hook = module.register_forward_pre_hook(_conv2d_hook(halo, group))
+            restore.callback(hook.remove)
         yield
-    finally:
-        for handle in reversed(handles):
-            handle.remove()
-        for module, attribute, value in reversed(padded):
-            setattr(module, attribute, value)
 
 
 def decode_spatial_shard(vae, latents_BCTHW: torch.Tensor, group) -> torch.Tensor:
-    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLWan``; the same latents on every rank) split
-    by rows across ``group``: the whole clamped ``video_BCFHW`` on every rank.
-
-    Decodes replicated (``vae.decode`` on every rank, no collectives) when ``group`` has one rank
-    or the latents have fewer than ``MIN_ROWS_PER_SHARD`` rows per rank. Raises ``ValueError`` when
-    diffusers' VAE tiling is enabled (it would tile each band on its own).
-    """
-    decode = type(vae).decode  # the class's method: an instance's ShardedWanDecode must not recurse
-    if getattr(vae, "use_tiling", False):
-        raise ValueError("Wan parallel VAE decode does not combine with diffusers' VAE tiling (vae.enable_tiling)")
-    num_rows = latents_BCTHW.shape[ROW_DIM]
-    sizes = shard_sizes(num_rows, group)
-    if sizes is None:
-        logger.debug("Wan decode: %d latent rows on %d ranks decode replicated", num_rows, group_size(group))
-        return decode(vae, latents_BCTHW, return_dict=False)[0]
-    index = group_rank(group)
-    band_BCTHW = latents_BCTHW.narrow(ROW_DIM, sum(sizes[:index]), sizes[index])
-    with sharded_wan_decoder(vae.decoder, sizes, group):
-        video_BCFHW = decode(vae, band_BCTHW, return_dict=False)[0]
-    factor, remainder = divmod(video_BCFHW.shape[ROW_DIM], sizes[index])
-    assert remainder == 0, (tuple(video_BCFHW.shape), sizes)
-    return gather_rows(video_BCFHW.contiguous(), dim=ROW_DIM, sizes=[rows * factor for rows in sizes], group=group)
+    """``vae.decode(latents_BCTHW)`` (an ``AutoencoderKLWan``) split by rows across ``group``: the
+    whole clamped ``video_BCFHW`` on every rank (``row_band_decode.decode_rows``: replicated for a
+    group of one or too few rows, ``ValueError`` with diffusers' VAE tiling)."""
+    return decode_rows(vae, latents_BCTHW, group, family="Wan", sharded_decoder=sharded_wan_decoder)
 
 
-class ShardedWanDecode:
-    """Stands in for ``vae.decode`` on an ``AutoencoderKLWan`` (an instance attribute), so diffusers'
-    ``WanPipeline`` decodes through :func:`decode_spatial_shard` on ``group``; same signature and
-    return types as ``AutoencoderKLWan.decode``."""
+class ShardedWanDecode(ShardedDecode):
+    """Stands in for ``vae.decode`` on an ``AutoencoderKLWan``, so diffusers' ``WanPipeline`` decodes
+    through :func:`decode_spatial_shard`."""
 
-    def __init__(self, vae, group) -> None:
-        self.vae, self.group = vae, group
-
-    def __call__(self, z: torch.Tensor, return_dict: bool = True):
-        video_BCFHW = decode_spatial_shard(self.vae, z, self.group)
-        return DecoderOutput(sample=video_BCFHW) if return_dict else (video_BCFHW,)
-
-    def __repr__(self) -> str:
-        return f"ShardedWanDecode(group of {group_size(self.group)} ranks)"
-
-
-def decode_group(ctx, family: str):
-    """The group a family's spatial-shard VAE decode splits over: ``ctx.groups.decode_group`` (the
-    ranks of one DP replica) when ``--vae-config.use-parallel-decode`` asks for it and the group
-    has more than one rank, else None. Reads ``ctx.settings.vae`` (the other ``--vae-config.*``
-    settings are refused by the family's ``load`` before this runs); warns (rank 0, naming
-    ``family``) when the decode group has one rank. Raises ``ValueError`` for a decode mode other
-    than ``spatial_shard``."""
-    vae_settings = ctx.settings.vae
-    group = ctx.groups.decode_group if ctx.groups is not None else None
-    num_ranks = group_size(group) if group is not None else 1
-    mode = select_decode_mode(vae_settings, num_ranks)
-    if ctx.rank == 0:
-        if vae_settings.use_parallel_decode and mode == "serial":
-            logger.warning(
-                "%s: --vae-config.use-parallel-decode has no effect: the decode group (the ranks of one "
-                "data-parallel replica) has one rank; give a replica several ranks with --ulysses-degree, "
-                "--ring-degree or --tp-size",
-                family,
-            )
-    return group if mode == "spatial_shard" else None
+    decode_rows = staticmethod(decode_spatial_shard)
 
 
 def install(vae, ctx, family: str = "wan") -> bool:
-    """Make ``vae.decode`` the sharded decode over the decode group (:func:`decode_group`) when
-    ``--vae-config.use-parallel-decode`` asks for it and the group has more than one rank; returns
-    whether it did. ``family`` names the family in the log lines."""
-    group = decode_group(ctx, family)
-    if group is None:
-        return False
-    vae.decode = ShardedWanDecode(vae, group)
-    logger.info("%s: VAE decode split by rows across the decode group of %d ranks", family, group_size(group))
-    return True
+    """Make ``vae.decode`` a :class:`ShardedWanDecode` over the decode group when the settings ask
+    for it (``row_band_decode.install``); returns whether it did."""
+    return row_band_decode.install(vae, ctx, family, ShardedWanDecode)
