@@ -15,7 +15,8 @@ Measured (fp32, one thread, this machine; ``pytest -s`` prints them): 2 ranks, 9
 diff 1/255, float max |diff| 2.15e-6. Not bit-exact: the convolutions run on band shapes, which
 moves fp rounding only (a value near a uint8 rounding boundary can flip by one level). Decoding the
 bands *without* the halo hooks (independent bands, zero-padded edges) is off by 1.38 (2 ranks) and
-1.71 (3 ranks) in float, so the bound does see seams (``SEAM_FLOOR``).
+1.71 (3 ranks) in float, so the bound does see seams (``decode_harness.SEAM_FLOOR``; the checks
+shared with the other families' decodes are ``tests/decode_harness.py``'s).
 
 Wan 2.2 TI2V 5B's VAE (the tiny checkpoint's config, ``wan22.tiny_wan22_vae_config``: residual up
 blocks with ``DupUp3D`` shortcuts, 2x2 patches, 48 latent channels) decodes through the same
@@ -33,23 +34,17 @@ each 33-frame chunk with ``vae.decode``) on 2 ranks whose decode group spans bot
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests import decode_harness
+from tests.decode_harness import MAX_DIFF_BOUND, TIMEOUT, Case
 from tests.distributed import one_thread, run_ranks
 from tests.test_spatial_shard import psnr_and_max_diff, to_uint8
-from tilecast.kernels.halo import split_sizes
 
-TIMEOUT = 120
-PSNR_BOUND_DB = 60.0
-MAX_DIFF_BOUND = 1  # uint8 levels
 FLOAT_BOUND = 1e-5
-SEAM_FLOOR = 1e-2
-"""Bands decoded without halos must differ from serial by more than this (the test sees seams)."""
 PRELOAD = ("diffusers.models.autoencoders.autoencoder_kl_wan",)
 
 
@@ -79,11 +74,6 @@ def latents(rows: int, latent_frames: int, cols: int = 6, channels: int = 16) ->
     return torch.randn(1, channels, latent_frames, rows, cols, generator=torch.Generator().manual_seed(3))
 
 
-def serial_decode(rows: int, latent_frames: int) -> torch.Tensor:
-    with torch.no_grad(), one_thread():
-        return tiny_vae().decode(latents(rows, latent_frames), return_dict=False)[0]
-
-
 def hooks_left(vae) -> list[str]:
     """Decoder modules that still carry a hook or a changed row padding."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
@@ -99,51 +89,36 @@ def hooks_left(vae) -> list[str]:
     return left
 
 
-def _decode_rank(rank, world_size, rows, latent_frames):
-    import torch.distributed as dist
-
+def _wan22_in_bands(group) -> dict:
+    """Wan 2.2's VAE structure decoded in bands on the same ranks (2 latent frames)."""
     from tilecast.runtime.models.families.wan_decode import decode_spatial_shard
 
-    vae = tiny_vae()
-    group = dist.group.WORLD
-    with torch.no_grad():
-        videos = [decode_spatial_shard(vae, latents(rows, latent_frames), group) for _ in range(2)]
-        short = decode_spatial_shard(vae, latents(world_size, 2), group)  # 1 row each: replicated
-        sizes = split_sizes(rows, world_size)
-        band = latents(rows, latent_frames).narrow(3, sum(sizes[:rank]), sizes[rank])
-        unsharded_band = vae.decode(band, return_dict=False)[0]  # no halos: what seams look like
-        wan22 = decode_spatial_shard(tiny_vae(wan22_vae_config()), latents(rows, 2, channels=48), group)
-    return {"videos": videos, "short": short, "band": unsharded_band, "left": hooks_left(vae), "wan22": wan22}
+    return {"wan22": decode_spatial_shard(tiny_vae(wan22_vae_config()), latents(8, 2, channels=48), group)}
+
+
+def _case(latent_frames: int) -> Case:
+    return Case(
+        label="Wan",
+        module="wan_decode",
+        tiny_vae=tiny_vae,
+        latents=latents,
+        changed=hooks_left,
+        rows=8,
+        latent_frames=latent_frames,
+        scale=8,
+        float_bound=FLOAT_BOUND,
+        float64=False,
+        preload=PRELOAD,
+        extra=_wan22_in_bands,
+    )
 
 
 @pytest.mark.parametrize(("world_size", "latent_frames"), [(2, 3), (3, 5)])
 def test_parallel_decode_matches_serial(world_size, latent_frames):
-    rows = 8
-    reference = serial_decode(rows, latent_frames)
-    assert reference.shape == (1, 3, 4 * (latent_frames - 1) + 1, 8 * rows, 48)
-    results = run_ranks(_decode_rank, world_size, rows, latent_frames, timeout=TIMEOUT, preload=PRELOAD)
-    video = results[0]["videos"][0]
-    for rank, result in enumerate(results):
-        assert result["left"] == [], f"rank {rank}: decoder not restored after the sharded decode: {result['left']}"
-        for again in result["videos"]:
-            assert torch.equal(again, video), f"rank {rank}: output differs from rank 0's or from its first decode"
-        assert torch.equal(result["short"], serial_decode(world_size, 2)), f"rank {rank}: replicated fallback"
-    float_diff = (video - reference).abs().max().item()
-    psnr, max_diff = psnr_and_max_diff(to_uint8(video), to_uint8(reference))
-    sizes = split_sizes(rows, world_size)
-    seams = max(
-        (result["band"] - reference.narrow(3, 8 * sum(sizes[:rank]), 8 * sizes[rank])).abs().max().item()
-        for rank, result in enumerate(results)
-    )
-    print(
-        f"\nWan parallel decode, {world_size} ranks, latent rows {sizes}, {reference.shape[2]} frames: "
-        f"PSNR {psnr:.2f} dB, max diff {max_diff}/255, float max |diff| {float_diff:.3g}; "
-        f"bands without halos: float max |diff| {seams:.3g}"
-    )
-    assert psnr >= PSNR_BOUND_DB and max_diff <= MAX_DIFF_BOUND and float_diff <= FLOAT_BOUND
-    assert seams > SEAM_FLOOR
+    results = decode_harness.check_parallel_decode(_case(latent_frames), world_size)
+    assert results[0]["videos"][0].shape == (1, 3, 4 * (latent_frames - 1) + 1, 8 * 8, 48)
     with torch.no_grad(), one_thread():
-        wan22_reference = tiny_vae(wan22_vae_config()).decode(latents(rows, 2, channels=48), return_dict=False)[0]
+        wan22_reference = tiny_vae(wan22_vae_config()).decode(latents(8, 2, channels=48), return_dict=False)[0]
     wan22_diff = (results[0]["wan22"] - wan22_reference).abs().max().item()
     print(
         f"Wan 2.2 VAE structure, {world_size} ranks, 5 frames of {tuple(wan22_reference.shape[3:])}: "
@@ -202,71 +177,16 @@ def _family(name: str):
     return getattr(importlib.import_module(f"tilecast.runtime.models.families.{module}"), cls)
 
 
-def _pipeline_rank(rank, world_size, cache, family):
-    import torch.distributed as dist
-
-    from tests.harness import make_context
-    from tilecast.runtime.models.families import images
-    from tilecast.runtime.models.families.wan_decode import ShardedWanDecode
-    from tilecast.runtime.pipeline import WorkItem
-    from tilecast.runtime.topology import Topology
-
-    os.environ["TILECAST_CACHE"] = cache
-    cls = _family(family)
-    topology = Topology(num_gpus=world_size, ulysses_degree=world_size)
-    groups = topology.groups(topology.build_mesh("cpu"))
-
-    def load(vae):
-        # The mesh's Ulysses axis makes the decode group of all ranks; the settings keep the DiT degrees
-        # at 1 (the families refuse --ulysses-degree until they honour it).
-        ctx = make_context(
-            Path(cache) / f"out{rank}",
-            rank=rank,
-            world_size=world_size,
-            cpu_group=dist.group.WORLD,
-            device_group=dist.group.WORLD,
-            groups=groups,
-            dtype="float32",
-            vae=vae,
-        )
-        return cls.load(cls.builtin_name, ctx), ctx
-
-    outputs = {}
-    uploads = dict(zip(images.upload_names(1), [images.example_image(32, 64)])) if cls.min_images else {}
-    for name, vae in (("serial", {}), ("parallel", {"use_parallel_decode": True})):
-        pipe, ctx = load(vae)
-        params = pipe.prepare(
-            pipe.params_type(
-                prompt="a red kite",
-                width=32,
-                height=64,
-                num_frames=FAMILIES[family][2],
-                seed=5,
-                num_inference_steps=1,
-                return_tensor=True,
-            ),
-            uploads,
-        )
-        item = WorkItem(job_id=name, params=params, uploads=uploads)
-        outputs[name] = pipe.run([item], ctx)[0].tensors["video"]
-        outputs[f"{name}_installed"] = isinstance(vars(pipe.pipe.vae).get("decode"), ShardedWanDecode)
-        assert pipe.parallel_decode == outputs[f"{name}_installed"]
-    return outputs
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_wan_pipeline_decodes_in_parallel_on_two_ranks(tiny_cache, family):
     """Each Wan VAE served with ``--vae-config.use-parallel-decode`` (honoured, not refused): the
     family's output on 2 ranks equals its serial decode within ``FLOAT_BOUND``."""
-    _family(family).checkpoint.ensure(tiny_cache)  # built once here, not raced by the ranks
-    results = run_ranks(_pipeline_rank, 2, str(tiny_cache), family, timeout=TIMEOUT, preload=PRELOAD)
-    for rank, result in enumerate(results):
-        assert result["parallel_installed"] and not result["serial_installed"], rank
-        assert result["parallel"].shape == (FAMILIES[family][2], 3, 64, 32)
-        assert torch.equal(result["parallel"], results[0]["parallel"]), f"rank {rank} differs from rank 0"
-        diff = (result["parallel"] - result["serial"]).abs().max().item()
-        print(f"\n{family} rank {rank}: parallel vs serial decode, max |diff| {diff:.3g} on [0, 1] frames")
-        assert diff <= FLOAT_BOUND, (rank, diff)
+    from tilecast.runtime.models.families.wan_decode import ShardedWanDecode
+
+    request = dict(width=32, height=64, num_frames=FAMILIES[family][2], num_inference_steps=1)
+    decode_harness.check_pipeline_decode(
+        _family(family), ShardedWanDecode, tiny_cache, request, float_bound=FLOAT_BOUND, preload=PRELOAD
+    )
 
 
 # ---- one process -----------------------------------------------------------------------------
@@ -280,15 +200,15 @@ class _Ctx:
 
 
 def test_install_needs_a_decode_group_of_several_ranks_and_says_so(caplog):
-    from tilecast.runtime.models.families import wan_decode
+    from tilecast.runtime.models.families import row_band_decode, wan_decode
 
     vae = tiny_vae()
-    with caplog.at_level(logging.WARNING, logger=wan_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=row_band_decode.__name__):
         assert not wan_decode.install(vae, _Ctx({"use_parallel_decode": True}))
     assert "decode" not in vars(vae)
     assert "use-parallel-decode has no effect" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=wan_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=row_band_decode.__name__):
         assert not wan_decode.install(vae, _Ctx({}))
     assert caplog.text == ""
     with pytest.raises(ValueError, match="parallel-decode-mode must be one of spatial_shard"):
@@ -296,14 +216,7 @@ def test_install_needs_a_decode_group_of_several_ranks_and_says_so(caplog):
 
 
 def test_single_rank_decodes_serially_and_tiling_is_refused():
-    from tilecast.runtime.models.families.wan_decode import decode_spatial_shard
-
-    vae = tiny_vae()
-    with torch.no_grad(), one_thread():
-        assert torch.equal(decode_spatial_shard(vae, latents(8, 2), None), serial_decode(8, 2))
-    vae.enable_tiling()
-    with pytest.raises(ValueError, match="tiling"):
-        decode_spatial_shard(vae, latents(8, 2), None)
+    decode_harness.check_single_rank_and_tiling(_case(2), latent_frames=2)
 
 
 def test_unknown_decoder_module_is_refused_and_nothing_stays_hooked():
