@@ -6,7 +6,7 @@ Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e
 FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
 Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio (``tests/test_ltx2.py``), Wan2.1 I2V ~1.4e-6,
 Wan2.2 T2V A14B ~1.3e-6, Wan2.2 I2V A14B ~1.9e-6, Wan2.2 TI2V ~8e-7,
-Qwen-Image-Edit ~8e-7, Qwen-Image-Layered ~3e-6): batch shape may change kernels,
+Qwen-Image-Edit ~8e-7, Qwen-Image-Layered ~1e-5): batch shape may change kernels,
 the seeds do not change. Image-to-video families get their example input images (``example_uploads``),
 the same for every request of a batch.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``

@@ -87,11 +87,11 @@ def tiny_transformer(**config):
 
 
 def tiny_vae(**config):
-    """The tiny ``AutoencoderKLQwenImage`` (``tiny/wan2.1-t2v``'s VAE config; ``config``: Layered's
-    4-channel RGBA ``input_channels``)."""
+    """The tiny ``AutoencoderKLQwenImage`` (``tiny/wan2.1-t2v``'s VAE config; ``config`` overrides it:
+    Layered's 4-channel RGBA ``input_channels`` and narrower ``base_dim``)."""
     from diffusers import AutoencoderKLQwenImage
 
-    return AutoencoderKLQwenImage(**wan.tiny_vae_config(), **config).eval()
+    return AutoencoderKLQwenImage(**{**wan.tiny_vae_config(), **config}).eval()
 
 
 def released_scheduler():

@@ -8,7 +8,11 @@ the released Layered VAE; diffusers reads ``vae.config.z_dim``, ``latents_mean``
 and ``temperal_downsample``), the MMDiT ``QwenImageTransformer2DModel`` with Layered's switches
 (``use_layer3d_rope``: each layer and the input image get their own RoPE frame index;
 ``use_additional_t_cond``: the RGB/RGBA flag added to the timestep embedding), and the
-``Qwen2_5_VLForConditionalGeneration`` text encoder with a byte-level ``Qwen2Tokenizer``.
+``Qwen2_5_VLForConditionalGeneration`` text encoder with a byte-level ``Qwen2Tokenizer``. The VAE is
+narrower than ``tiny/qwen-image``'s (``base_dim`` 4, not 8; same stages): diffusers' 640 bucket makes
+every run encode the input and decode each layer at about 640 x 640 pixels whatever the request, and
+4 channels at full resolution keep a two-step, two-layer run at ~3 s on one CPU thread (8: ~9 s; 2
+channels: ~3 s too, but the RMS norms over 2 channels amplify float noise: merged != singleton by 2e-4).
 
 No ``Qwen2VLProcessor`` (so no torchvision): diffusers uses the processor only to caption the input
 image when the prompt is empty (``get_image_caption``, the vision tower generating up to 512 tokens).
@@ -36,7 +40,7 @@ layer RoPE come from the first image, so requests merge when their image sizes, 
 ``resolution`` and ``cfg_normalize`` agree (all in the batch key). diffusers splits the decoded
 layers per prompt in steps of ``layers + 1`` (the input frame it dropped), so a merged call's per
 prompt lists are misaligned; ``output_rows`` re-joins them and cuts ``layers`` per request. A merged
-request equals its singleton within 1e-4 (``tests/test_families.py``).
+request equals its singleton within 1e-4 (measured ~1e-5; ``tests/test_families.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def build_tiny_qwen_image_layered():
     tokenizer = tokenizers.qwen_tokenizer()
     text_encoder = qwen_image.tiny_text_encoder(tokenizer)
     transformer = qwen_image.tiny_transformer(use_additional_t_cond=True, use_layer3d_rope=True)
-    vae = qwen_image.tiny_vae(input_channels=4)
+    vae = qwen_image.tiny_vae(input_channels=4, base_dim=4)  # narrower: the 640 bucket's pixels (docstring)
     return QwenImageLayeredPipeline(
         scheduler=qwen_image.released_scheduler(),
         vae=vae,
