@@ -36,8 +36,8 @@ Ranks: diffusers' ``QwenImageTransformer2DModel._cp_plan`` splits the noise and 
 (and 2511's ``modulate_index``) over the Ulysses / Ring ranks; 2 and 4 ranks match one rank within
 1.3e-6 (``tests/test_families_sp.py``).
 
-Not served here: Qwen-Image-Layered (``QwenImageLayeredPipeline``), which takes an RGBA image and
-returns several RGBA layers per request at a 640 / 1024 resolution bucket.
+Qwen-Image-Layered (``QwenImageLayeredPipeline``: an RGBA image in, several RGBA layers out at a
+640 / 1024 resolution bucket) is ``families.qwen_image_layered``.
 """
 
 from __future__ import annotations
