@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -25,7 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import make_context
+from tests.harness import cli_flags, make_context
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families import images
@@ -280,3 +282,23 @@ def test_images_edits_returns_every_layer_of_every_job(layered_server):
         timeout=60,
     )
     assert refused.status_code == 400 and "layers must be in 1..10" in refused.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_generate_on_the_command_line_writes_every_layer(tiny_cache, tmp_path):
+    picture = tmp_path / "in.png"
+    picture.write_bytes(rgba_png())
+    command = [
+        sys.executable,
+        "-m",
+        "tilecast",
+        "generate",
+        *cli_flags(model_path="tiny/qwen-image-layered", device="cpu", prompt="split", image_path=picture, seed=5),
+        *cli_flags(layers=2, num_inference_steps=2, output_path=tmp_path / "out", output_file_name="split.png"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = sorted(path.name for path in (tmp_path / "out").glob("*.png"))
+    assert written == ["split_layer0.png", "split_layer1.png"]
+    assert all(Image.open(tmp_path / "out" / name).mode == "RGBA" for name in written)
