@@ -169,6 +169,9 @@ def test_n_layers_are_n_rgba_png_files_and_alpha_reaches_the_model(loaded):
     encoded = []  # what the VAE encodes: the input images, 1 x 4 x 1 x H x W in [-1, 1] each
     encode = pipe.pipe.vae.encode
     pipe.pipe.vae.encode = lambda x, *a, **k: encoded.append(x.clone()) or encode(x, *a, **k)
+    given = []  # diffusers' per-prompt layer stacks, before output_rows re-cuts them
+    rows = pipe.output_rows
+    pipe.output_rows = lambda output, size: given.append([len(stack) for stack in output]) or rows(output, size)
     try:
         out = pipe.run(
             [
@@ -178,11 +181,14 @@ def test_n_layers_are_n_rgba_png_files_and_alpha_reaches_the_model(loaded):
             ctx,
         )
     finally:
-        del pipe.pipe.vae.encode  # back to the class's method
+        del pipe.pipe.vae.encode, pipe.output_rows  # back to the classes' methods
     pixels = torch.cat(encoded)  # one encode per request (a generator each)
     assert pixels.shape[:2] == (2, 4)  # RGBA reaches the VAE: its ramp in the first, fully clear in the second
     alpha_rows = pixels[0, 3, 0].mean(dim=1)
     assert alpha_rows[0] < -0.9 and alpha_rows[-1] > 0.9 and bool((pixels[1, 3] == -1).all())
+    # diffusers 0.42 cuts the 2 x 3 decoded layers per prompt in steps of layers + 1 = 4: [4, 2], not
+    # [3, 3] (why ``output_rows`` joins and re-cuts them; a fixed diffusers would give [3, 3])
+    assert given == [[4, 2]]
     first = out[0]
     assert first.info["layers"] == 3 and first.info["batch_size"] == 2
     assert [f.name for f in first.files] == ["mine_layer0.png", "mine_layer1.png", "mine_layer2.png"]
