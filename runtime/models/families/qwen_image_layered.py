@@ -41,6 +41,10 @@ layer RoPE come from the first image, so requests merge when their image sizes, 
 layers per prompt in steps of ``layers + 1`` (the input frame it dropped), so a merged call's per
 prompt lists are misaligned; ``output_rows`` re-joins them and cuts ``layers`` per request. A merged
 request equals its singleton within 1e-4 (measured ~1e-5; ``tests/test_families.py``).
+
+Ranks: Qwen-Image's plan, diffusers' ``QwenImageTransformer2DModel._cp_plan``, splits the noise
+frames' and the input image's tokens together (the layer RoPE's frequencies with them); Ulysses 2 x
+Ring 2 matches one rank within 7.7e-6 (``tests/test_families_sp.py``).
 """
 
 from __future__ import annotations
