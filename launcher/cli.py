@@ -145,6 +145,12 @@ def generate(
     guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale")] = None,
     num_inference_steps: Annotated[Optional[int], typer.Option("--num-inference-steps")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    layers: Annotated[
+        Optional[int], typer.Option("--layers", help="Output layers (layered models: Qwen-Image-Layered).")
+    ] = None,
+    resolution: Annotated[
+        Optional[int], typer.Option("--resolution", help="Size bucket, 640 or 1024 (Qwen-Image-Layered).")
+    ] = None,
     save_output: Annotated[
         bool, typer.Option("--save-output/--no-save-output", help="Write the result file (always on).")
     ] = True,
@@ -169,6 +175,8 @@ def generate(
         "guidance_scale": guidance_scale,
         "num_inference_steps": num_inference_steps,
         "seed": seed,
+        "layers": layers,
+        "resolution": resolution,
         "output_file_name": output_file_name,
         "return_frames": True if save_frames else None,
         "image_paths": [str(path.resolve()) for path in image_path] if image_path else None,

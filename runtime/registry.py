@@ -36,6 +36,7 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.qwen_image:QwenImage2512T2IPipeline",
     "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditI2IPipeline",
     "tilecast.runtime.models.families.qwen_image_edit:QwenImageEditPlusI2IPipeline",
+    "tilecast.runtime.models.families.qwen_image_layered:QwenImageLayeredI2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageT2IPipeline",
     "tilecast.runtime.models.families.z_image:ZImageBaseT2IPipeline",
     "tilecast.runtime.models.families.sd3:SD3T2IPipeline",

@@ -15,6 +15,11 @@ Routes::
     DELETE /v1/videos/{id}           delete a job: cancel it if unfinished, remove its files (OpenAI's video.deleted)
     POST   /v1/images/generations    JSON: prompt, n, size "WxH", seed, response_format b64_json, extras
     POST   /v1/images/edits          multipart: image / image[] (input images), prompt, n, size, ... (image models)
+    GET    /v1/images/{id}/content   the job's image once completed (?index=K: its K-th, for several layers)
+
+An images request submits ``n`` jobs; ``data`` holds every image file of each, job by job and in each
+job's order: one per job, or a Qwen-Image-Layered job's ``layers`` RGBA layers (``n`` x ``layers``
+items).
     GET    /v1/models                the served model
     GET    /health                   200 {"status": "ok"} when serving; 503 when dead/stopping/silent
     GET    /metrics                  Prometheus text exposition
@@ -846,10 +851,16 @@ class HttpApi:
         return await self._content(request.path_params["video_id"], "video")
 
     async def image_content(self, request: Request) -> Response:
-        return await self._content(request.path_params["image_id"], "image")
+        index = request.query_params.get("index", "0")
+        if not index.isdigit():
+            raise ApiError(
+                400, f"index must be a non-negative integer, got {index!r}", param="index", code="invalid_value"
+            )
+        return await self._content(request.path_params["image_id"], "image", int(index))
 
-    async def _content(self, job_id: str, kind: str) -> Response:
-        """The job's first ``kind/*`` file; 404 for an unknown id and before the job has completed."""
+    async def _content(self, job_id: str, kind: str, index: int = 0) -> Response:
+        """The job's ``index``-th ``kind/*`` file (default its first); 404 for an unknown id, before the
+        job has completed, and for an index past its files."""
         try:
             result = await self.client.result(job_id, wait=False, as_paths=True)
         except ServerError as exc:
@@ -867,10 +878,15 @@ class HttpApi:
                 param=f"{kind}_id",
                 code=f"job_{job.state}",
             )
-        files = result.files
-        item = next((f for f in files if f.mime.startswith(f"{kind}/")), files[0] if files else None)
-        if item is None:
+        files = [f for f in result.files if f.mime.startswith(f"{kind}/")] or result.files[:1]
+        if not files:
             raise ApiError(500, f"job {job_id} completed without an output file", code="no_output")
+        if index >= len(files):
+            raise ApiError(
+                404, f"job {job_id} has {len(files)} {kind} file(s); index {index} is past them",
+                param="index", code="not_found",
+            )  # fmt: skip
+        item = files[index]
         if item.path is not None and Path(item.path).is_file():
             return FileResponse(
                 item.path, media_type=item.mime or "application/octet-stream", filename=Path(item.name).name
@@ -999,16 +1015,17 @@ class HttpApi:
                     f"image job {result.job.job_id} {result.job.state}: {result.job.error}",
                     code=f"job_{result.job.state}",
                 )
-            files = result.files
-            item = next((f for f in files if f.mime.startswith("image/")), files[0] if files else None)
-            if item is None or (not as_paths and item.data is None):
+            files = [f for f in result.files if f.mime.startswith("image/")] or result.files[:1]
+            if not files or (not as_paths and any(f.data is None for f in files)):
                 raise ApiError(500, f"image job {result.job.job_id} returned no image file", code="no_output")
-            image: dict[str, Any] = {"id": result.job.job_id}
-            if as_paths:
-                image["url"] = self._url(request, f"/v1/images/{result.job.job_id}/content")
-            else:
-                image["b64_json"] = base64.b64encode(item.data).decode("ascii")
-            images.append(image)
+            for index, item in enumerate(files):  # several: a layered model's layers, in order
+                image: dict[str, Any] = {"id": result.job.job_id}
+                if as_paths:
+                    query = f"?index={index}" if len(files) > 1 else ""
+                    image["url"] = self._url(request, f"/v1/images/{result.job.job_id}/content{query}")
+                else:
+                    image["b64_json"] = base64.b64encode(item.data).decode("ascii")
+                images.append(image)
         return JSONResponse(image_response(wanted.prompt, images, [result.info for result in results]))
 
     # ------------------------------------------------------------------ service

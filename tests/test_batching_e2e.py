@@ -152,6 +152,8 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         # Qwen-Image's shift_terminal schedule). Edit Plus serves one request per call.
         ("tiny/qwen-image-edit", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
         ("tiny/qwen-image-edit-2511", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
+        # decomposition: no size (diffusers' 640 bucket at the image's aspect ratio), two RGBA layers each
+        ("tiny/qwen-image-layered", {"image": example_image(), "num_inference_steps": 2, "layers": 2}, "image/png"),
     ],
 )
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
@@ -161,12 +163,15 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
     size = min(3, resolve_pipeline(model).max_batch_size)  # GLM-Image, Helios' pyramid, Edit Plus: one at a time
     with serve(model, delay_ms=500.0) as (_server, client):
         fields = {**SMALL, **extra}  # LTX-2's smallest size is 64 x 64
+        if resolve_pipeline(model).size_from_image:  # Qwen-Image-Layered: its input image decides the size
+            del fields["width"], fields["height"]
         merged = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(3)])
         single = client.generate(prompt="alone", timeout=60.0, **fields)
         assert [r.info["batch_size"] for r in merged] == [size] * 3 and single.info["batch_size"] == 1
         for result in (*merged, single):
             assert result.job.state == "completed" and result.files[0].mime == mime
             assert len(result.files[0].data) > 100
+            assert len(result.files) == result.info.get("layers", 1)  # a layered model: a file per layer
         histogram = {int(k): v for k, v in client.stats()["batching"]["cumulative"]["size_histogram"].items()}
         assert histogram == ({3: 1, 1: 1} if size == 3 else {1: 4})
 

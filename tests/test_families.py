@@ -6,7 +6,7 @@ Qwen-Image-2512 ~1e-6, Z-Image-Turbo ~2e-6, Z-Image ~2e-6, Wan2.1 ~3e-6, SD3 ~2e
 FLUX.2-dev ~3e-6, FLUX.2 [klein] ~3e-6, ERNIE-Image ~2e-6, ERNIE-Image-Turbo ~2e-6, HunyuanVideo ~3e-6,
 Helios-Base ~2e-6, LTX-2 ~1e-6 video and ~1e-7 audio (``tests/test_ltx2.py``), Wan2.1 I2V ~1.4e-6,
 Wan2.2 T2V A14B ~1.3e-6, Wan2.2 I2V A14B ~1.9e-6, Wan2.2 TI2V ~8e-7,
-Qwen-Image-Edit ~8e-7): batch shape may change kernels,
+Qwen-Image-Edit ~8e-7, Qwen-Image-Layered ~1e-5): batch shape may change kernels,
 the seeds do not change. Image-to-video families get their example input images (``example_uploads``),
 the same for every request of a batch.
 GLM-Image is served one request at a time (``max_batch_size = 1``): a merged ``GlmImagePipeline``
@@ -64,14 +64,18 @@ def loaded(tiny_cache, tmp_path_factory):
 
 
 def params_for(pipe, **fields):
-    """A prepared request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64) with the
-    family's example input images (``example_uploads``: an image-to-video family's first frame) and,
-    for a video family, its shortest clip of more than one frame (Wan 5, LTX-2 9), at two denoising
+    """A prepared request of 32 x 32 pixels (or the family's smallest size, LTX-2's 64; a family whose
+    size follows its input image, that size) with the family's example input images
+    (``example_uploads``: an image-to-video family's first frame) and, for a video family, its
+    shortest clip of more than one frame (Wan 5, LTX-2 9; a layered family: 2 layers), at two denoising
     steps unless ``fields`` say otherwise (the cards' 20..50 steps show nothing more here)."""
     fields.setdefault("num_inference_steps", min(2, pipe.default_steps))
     side = max(32, getattr(pipe, "min_side", 32))
-    fields.setdefault("width", side)
-    fields.setdefault("height", side)
+    if not pipe.size_from_image:  # Qwen-Image-Layered: the size is its rule from the input image
+        fields.setdefault("width", side)
+        fields.setdefault("height", side)
+    if "layers" in pipe.params_type.__struct_fields__:  # a layered family: the fewest layers above one
+        fields.setdefault("layers", 2)
     if pipe.output_kind == "video":
         multiple, remainder = pipe.num_frames_rule
         fields.setdefault("num_frames", multiple + remainder)
@@ -128,6 +132,8 @@ def test_batched_output_matches_singleton_and_files_are_written(name, loaded):
     kind = pipe.output_kind
     x, y, other = alone.tensors[kind], pair[0].tensors[kind], pair[1].tensors[kind]
     expected_shape = (3, a.height, a.width) if kind == "image" else (a.num_frames, 3, a.height, a.width)
+    if hasattr(a, "layers"):  # Qwen-Image-Layered: a stack of RGBA layers per request
+        expected_shape = (a.layers, 4, a.height, a.width)
     assert tuple(x.shape) == expected_shape and x.dtype == torch.float32
     assert torch.isfinite(x).all() and 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.01
     diff = (x - y).abs().max().item()
@@ -170,17 +176,20 @@ def test_output_equals_the_diffusers_pipeline_called_directly(name, loaded, tiny
     item = work(pipe, "ours", params)
     ours = pipe.run([item], ctx)[0].tensors[pipe.output_kind]
 
-    direct = getattr(diffusers, cls.diffusers_class).from_pretrained(str(cls.checkpoint.ensure(tiny_cache)))
+    path = cls.checkpoint.ensure(tiny_cache)
+    # a component the family leaves unloaded (Qwen-Image-Layered's captioning processor) is left out here too
+    unloaded = {name: None for name, component in cls.own_components(path).items() if component is None}
+    direct = getattr(diffusers, cls.diffusers_class).from_pretrained(str(path), **unloaded)
     direct.set_progress_bar_config(disable=True)
     accepted = inspect.signature(direct.__call__).parameters
     kwargs = dict(
         prompt=params.prompt,
-        width=params.width,
-        height=params.height,
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(5),
         output_type="pt",
     )
+    if "width" in accepted:  # Qwen-Image-Layered takes no size: its resolution bucket and input image decide
+        kwargs.update(width=params.width, height=params.height)
     guidance = "true_cfg_scale" if cls.true_cfg_is_guidance else "guidance_scale"
     kwargs[guidance] = params.guidance_scale
     if pipe.guidance_on(params) and "negative_prompt" in accepted:
@@ -401,9 +410,9 @@ def test_released_variant_ids_route_to_their_variant(model_id, tmp_path, monkeyp
 
 
 def test_a_checkpoint_of_an_unserved_diffusers_pipeline_is_refused_whatever_its_name(tmp_path):
-    layered = _checkpoint_dir(tmp_path / "Qwen-Image-Layered", "QwenImageLayeredPipeline")
-    with pytest.raises(ValueError, match="'QwenImageLayeredPipeline' is not served"):
-        resolve_pipeline(str(layered))  # its name holds the hint "Qwen-Image", its class says otherwise
+    inpaint = _checkpoint_dir(tmp_path / "Qwen-Image-Inpaint", "QwenImageInpaintPipeline")
+    with pytest.raises(ValueError, match="'QwenImageInpaintPipeline' is not served"):
+        resolve_pipeline(str(inpaint))  # its name holds the hint "Qwen-Image", its class says otherwise
     renamed = _checkpoint_dir(tmp_path / "Qwen-Image-2512-export", "SomeRenamedPipeline")
     assert resolve_pipeline(str(renamed)) is QwenImage2512T2IPipeline  # a class diffusers does not know: the name
 

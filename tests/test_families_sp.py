@@ -20,6 +20,9 @@ of different lengths give Qwen-Image a text mask, Z-Image batch padding and ERNI
 text-padding mask, so the padding and the models' own masks are both exercised (SANA's padded keys
 unmasked: ~2e-3; its neighbour rows zeroed: ~3e-3). Variants (Z-Image, Qwen-Image-2512,
 ERNIE-Image-Turbo) run their family's transformer and plan unchanged and are not repeated here.
+Qwen-Image-Layered takes no size: the 48 x 32 example image at its 640 bucket is 768 x 512 pixels,
+one layer: 3 frames (noise, the layer, the input image) of 48 x 32 / 2 x 2 tokens (4608: even, as
+every size its rule gives).
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ def _fields(name: str, world: int) -> dict:
         fields.update(width=96, height=96, num_frames=17)
     if name == "tiny/wan2.2-ti2v-5b":  # 16x VAE, 2x2 patches: 3 x 1 tokens per latent frame (3, or 6 on 4 ranks)
         fields.update(width=96, height=32)
+    if name == "tiny/qwen-image-layered":  # no size: the 640 bucket, 768 x 512 for the 48 x 32 example image;
+        del fields["width"], fields["height"]  # one layer: 3 frames (noise, layer, input) of 48 x 32 / 2 tokens
+        fields["layers"] = 1
     return fields
 
 
@@ -255,8 +261,12 @@ def _check(name, ulysses, ring, tiny_cache, tmp_path_factory, **settings):
         family = _pipeline_class(name)
         true_len, local_len = result["splits"][stream_input(resolve_plan(family.cp_plan))]
         # Z-Image pads every region to 32 tokens itself; Helios' pyramid ends on its full-resolution
-        # stage, whose token count is even (its first stage's 49 tokens were padded)
-        if not issubclass(family, ZImageT2IPipeline) and name != "tiny/helios-distilled":
+        # stage, whose token count is even (its first stage's 49 tokens were padded); Qwen-Image-Layered's
+        # sizes are multiples of 32 pixels (diffusers' rule), so every frame has an even token grid
+        if not issubclass(family, ZImageT2IPipeline) and name not in (
+            "tiny/helios-distilled",
+            "tiny/qwen-image-layered",
+        ):
             assert true_len % world and local_len == -(-true_len // world), (rank, true_len, local_len)
     print(f"{name} ulysses={ulysses} ring={ring}: max |SP - one rank| = {max(errors):.3g}")
     return results
@@ -335,6 +345,7 @@ def test_plan_paths_and_input_names_are_checked():
         "tiny/qwen-image": "hidden_states",
         "tiny/qwen-image-edit": "hidden_states",
         "tiny/qwen-image-edit-2511": "hidden_states",
+        "tiny/qwen-image-layered": "hidden_states",
         "tiny/z-image-turbo": "x",
         "tiny/wan2.1-t2v": "hidden_states",
         "tiny/wan2.1-i2v-14b-480p": "hidden_states",

@@ -34,6 +34,7 @@ from tilecast.runtime.models.families.hunyuan_video import HunyuanVideoT2VPipeli
 from tilecast.runtime.models.families.ltx2 import LTX2T2VPipeline
 from tilecast.runtime.models.families.qwen_image import QwenImage2512T2IPipeline, QwenImageT2IPipeline
 from tilecast.runtime.models.families.qwen_image_edit import QwenImageEditI2IPipeline, QwenImageEditPlusI2IPipeline
+from tilecast.runtime.models.families.qwen_image_layered import QwenImageLayeredI2IPipeline
 from tilecast.runtime.models.families.sana import SanaT2IPipeline
 from tilecast.runtime.models.families.sd3 import SD3T2IPipeline
 from tilecast.runtime.models.families.wan import WanT2VPipeline
@@ -69,6 +70,7 @@ PIPELINES = {
     "tiny/ltx-2": LTX2T2VPipeline,
     "tiny/qwen-image-edit": QwenImageEditI2IPipeline,
     "tiny/qwen-image-edit-2511": QwenImageEditPlusI2IPipeline,
+    "tiny/qwen-image-layered": QwenImageLayeredI2IPipeline,
 }
 _LORA_DIR = Path(tempfile.mkdtemp(prefix="tilecast-lora-"))
 (_LORA_DIR / "style.safetensors").touch()  # the settings check the file exists (tests/test_lora.py loads real ones)

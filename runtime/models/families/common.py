@@ -422,6 +422,14 @@ class DiffusersBatchPipeline(Pipeline):
     max_images: ClassVar[int] = 0
     """Most input images a request may send (0: the family takes none). A family with
     ``max_images > 0`` also sets ``upload_fields = ("image",)`` and an ``I2IParams`` params type."""
+    size_from_image: ClassVar[bool] = False
+    """The output size is the family's rule from the input image alone (``output_size``; Qwen-Image-Layered,
+    whose diffusers call takes no size): ``width`` / ``height`` are refused, naming the field."""
+    size_rule: ClassVar[str] = ""
+    """With ``size_from_image``: the rule in words, for the refusal."""
+    image_mode: ClassVar[str] = "RGB"
+    """The PIL mode input images are canonicalised to (``families.images``): ``RGB``, or ``RGBA`` for a
+    model that reads transparency (Qwen-Image-Layered)."""
     required_modules: ClassVar[tuple[str, ...]] = ()
     """Python modules the family needs beyond tilecast's own dependencies (the Qwen image-edit
     families: ``torchvision``, without which transformers loads no ``Qwen2VLProcessor``); ``load``
@@ -588,7 +596,16 @@ class DiffusersBatchPipeline(Pipeline):
             raise ValueError("prompt must not be empty")
         if len(params.prompt) > MAX_PROMPT_CHARS:
             raise ValueError(f"prompt is {len(params.prompt)} characters; at most {MAX_PROMPT_CHARS}")
-        sizes = images.check_images(uploads, family=self.family, min_images=self.min_images, max_images=self.max_images)
+        if self.size_from_image:
+            for field in ("width", "height"):
+                if getattr(params, field) is not None:
+                    raise ValueError(
+                        f"{field} cannot be set for {self.family}: its output size follows the input image"
+                        f" ({self.size_rule})"
+                    )
+        sizes = images.check_images(
+            uploads, family=self.family, min_images=self.min_images, max_images=self.max_images, mode=self.image_mode
+        )
         if self.max_images:
             width, height = self.output_size(params, sizes) if sizes else (64, 64)
             params = msgspec.structs.replace(
@@ -702,8 +719,8 @@ class DiffusersBatchPipeline(Pipeline):
 
     def image_kwargs(self, items: list[WorkItem]) -> dict[str, Any]:
         """The diffusers arguments carrying a batch's input images (image-to-image families). Default:
-        ``image``, one RGB ``PIL.Image`` per request (its first input image)."""
-        return {"image": [images.load_images(item.uploads)[0] for item in items]}
+        ``image``, one ``PIL.Image`` (``image_mode``) per request (its first input image)."""
+        return {"image": [images.load_images(item.uploads, self.image_mode)[0] for item in items]}
 
     def pipe_for(self, items: list[WorkItem]) -> Any:
         """The diffusers pipeline object that runs this batch: ``self.pipe``. A family whose requests
@@ -754,7 +771,13 @@ class DiffusersBatchPipeline(Pipeline):
         with torch.inference_mode(), ctx.alive_during(getattr(self.pipe, "vae", None)), self.flow_shift(first):
             result = self.pipe_for(items)(**self.call_args(items), callback_on_step_end=on_step, return_dict=False)
         audio = result[1].float().cpu() if self.output_audio else None
-        return result[0].float().cpu(), audio
+        return self.output_rows(result[0], len(items)).float().cpu(), audio
+
+    def output_rows(self, output: Any, batch_size: int) -> torch.Tensor:
+        """diffusers' first output (``output_type="pt"``) as one tensor, a row per request: as it comes.
+        A family whose pipeline returns another form (Qwen-Image-Layered: a list of layer stacks)
+        turns it into rows here."""
+        return output
 
     def denoising_steps(self, params) -> int:
         """Denoising steps one call runs for ``params`` (what progress counts): ``num_inference_steps``;
@@ -822,6 +845,17 @@ class DiffusersBatchPipeline(Pipeline):
         finally:
             self.pipe.scheduler = scheduler
 
+    def image_files(self, path: Path, sample: torch.Tensor) -> list[tuple[Path, torch.Tensor]]:
+        """The image files of one request's output ``sample`` and the image each holds: ``sample``
+        (``CxHxW``) at ``path``. A family whose request returns several images (Qwen-Image-Layered's
+        layers) names one file per image here, in order."""
+        return [(path, sample)]
+
+    def output_info(self, sample: torch.Tensor) -> dict[str, Any]:
+        """Facts about one request's output ``sample`` for its job info beyond the family, batch size and
+        shape (Qwen-Image-Layered: its layer count). Default: none."""
+        return {}
+
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:
         """Every rank computes the whole batch (replicated, or with the transformer's tokens split
         over the Ulysses/Ring ranks); only the output rank writes files. Tensors are returned on
@@ -853,16 +887,17 @@ class DiffusersBatchPipeline(Pipeline):
                 out.tensors[self.output_kind] = sample.contiguous()
                 if audio_CS is not None:
                     out.tensors["audio"] = audio_CS.contiguous()
+            out.info.update(self.output_info(sample))
             if ctx.is_output_rank:
                 path = output_path(ctx, item, self.family, params.output_format)
                 if self.output_kind == "image":
-                    quality = encoder_quality(params)
-                    writes.append(_ENCODERS.submit(write_image, sample, params.output_format, path, quality))
-                    mime = IMAGE_FORMATS[params.output_format]
+                    quality, mime = encoder_quality(params), IMAGE_FORMATS[params.output_format]
+                    for image_path, image in self.image_files(path, sample):
+                        writes.append(_ENCODERS.submit(write_image, image, params.output_format, image_path, quality))
+                        out.files.append(OutputFile(name=image_path.name, path=image_path, mime=mime))
                 else:
                     write_mp4(sample, path, fps=params.fps, audio_CS=audio_CS, sample_rate=self.audio_sample_rate)
-                    mime = VIDEO_FORMATS[params.output_format]
-                out.files.append(OutputFile(name=path.name, path=path, mime=mime))
+                    out.files.append(OutputFile(name=path.name, path=path, mime=VIDEO_FORMATS[params.output_format]))
             results.append(out)
         for write in writes:
             write.result()  # every file is on disk before its job completes; errors fail the batch

@@ -14,7 +14,9 @@ image and the problem and nothing bad reaches the ranks:
 
 Each accepted image is turned upright by its EXIF orientation, converted to RGB (diffusers'
 ``load_image`` does the same two steps), and re-encoded as PNG into the same upload, so the ranks
-decode one known form. Its size (after the EXIF turn) is returned: what the batch key holds.
+decode one known form. Its size (after the EXIF turn) is returned: what the batch key holds. A
+family whose model reads transparency (Qwen-Image-Layered decomposes an RGBA image) asks for
+``mode="RGBA"``: the alpha channel is kept, and an image without one gets an opaque one.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _describe(index: int, count: int) -> str:
     return "image" if count == 1 else f"image {index + 1} of {count}"
 
 
-def decode_image(data: bytes, label: str = "image"):
-    """Decode and check one input image; returns an upright RGB ``PIL.Image`` (see the module docstring)."""
+def decode_image(data: bytes, label: str = "image", mode: str = "RGB"):
+    """Decode and check one input image; returns an upright ``PIL.Image`` in ``mode`` (``RGB`` or
+    ``RGBA``; see the module docstring)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
@@ -83,12 +86,14 @@ def decode_image(data: bytes, label: str = "image"):
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as exc:
         reason = "not an image format Pillow reads" if isinstance(exc, UnidentifiedImageError) else str(exc)
         raise ValueError(f"{label} cannot be decoded: {reason}") from None
-    return ImageOps.exif_transpose(image).convert("RGB")
+    return ImageOps.exif_transpose(image).convert(mode)
 
 
-def check_images(uploads: dict[str, bytes], *, family: str, min_images: int, max_images: int) -> list[list[int]]:
-    """Rank 0: check the request's input images (``uploads``, changed in place to canonical PNGs);
-    returns their ``[width, height]`` sizes. ``ValueError`` naming the image and the problem."""
+def check_images(
+    uploads: dict[str, bytes], *, family: str, min_images: int, max_images: int, mode: str = "RGB"
+) -> list[list[int]]:
+    """Rank 0: check the request's input images (``uploads``, changed in place to canonical PNGs in
+    ``mode``); returns their ``[width, height]`` sizes. ``ValueError`` naming the image and the problem."""
     names = image_uploads(uploads)
     if len(names) < min_images:
         needed = "an input image" if min_images == 1 else f"at least {min_images} input images"
@@ -101,7 +106,7 @@ def check_images(uploads: dict[str, bytes], *, family: str, min_images: int, max
         raise ValueError(f"image: {family} {taken}; got {len(names)}")
     sizes = []
     for index, name in enumerate(names):
-        image = decode_image(uploads[name], _describe(index, len(names)))
+        image = decode_image(uploads[name], _describe(index, len(names)), mode)
         uploads[name] = png_bytes(image)
         sizes.append(list(image.size))
     return sizes
@@ -134,8 +139,8 @@ def example_image(width: int = 48, height: int = 32) -> bytes:
     return png_bytes(image)
 
 
-def load_images(uploads: dict[str, bytes]) -> list:
-    """On a rank: the request's checked input images as RGB ``PIL.Image`` objects, in order."""
+def load_images(uploads: dict[str, bytes], mode: str = "RGB") -> list:
+    """On a rank: the request's checked input images as ``PIL.Image`` objects in ``mode``, in order."""
     from PIL import Image
 
-    return [Image.open(io.BytesIO(uploads[name])).convert("RGB") for name in image_uploads(uploads)]
+    return [Image.open(io.BytesIO(uploads[name])).convert(mode) for name in image_uploads(uploads)]

@@ -32,24 +32,28 @@ TEXT_DIM = 32
 """Hidden size of the tiny text encoder (the transformer's ``joint_attention_dim``)."""
 
 
-def build_tiny_qwen_image():
-    """The tiny ``QwenImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def tiny_text_encoder(tokenizer, *, vision_tokens: bool = False):
+    """The tiny ``Qwen2_5_VLForConditionalGeneration`` every tiny Qwen-Image checkpoint builds: the
+    two-layer text tower (``common.tiny_qwen_text_config``, ``TEXT_DIM`` wide) and a one-block vision
+    tower. ``vision_tokens``: ``tokenizer`` has Qwen2-VL's vision tokens (the image-editing ones, whose
+    vision tower runs) and the config names them; else the image and video placeholders lie outside
+    the vocabulary, so no prompt can contain one (only the text path runs)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = tokenizers.qwen_tokenizer()
+    text = common.tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM)
+    if vision_tokens:
+        start, end, image_pad, video_pad = tokenizer.convert_tokens_to_ids(tokenizers.QWEN_VISION_SPECIAL)
+        text["vocab_size"] = tokenizers.QWEN_VL_VOCAB_SIZE
+    else:
+        image_pad, video_pad, start, end = (tokenizers.QWEN_VOCAB_SIZE + offset for offset in (1, 2, 3, 4))
     config = Qwen2_5_VLConfig(
         text_config=dict(
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
             bos_token_id=None,
-            **common.tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM),
+            **text,
         ),
-        # One block (only the text path runs); patch and window geometry: the config's defaults, Qwen2.5-VL's.
+        # One block of two 8-wide heads; patch (14), merge (2x2) and window geometry: the config's
+        # defaults, Qwen2.5-VL's.
         vision_config=dict(
             depth=1,
             hidden_size=16,
@@ -58,28 +62,62 @@ def build_tiny_qwen_image():
             out_hidden_size=TEXT_DIM,
             fullatt_block_indexes=[0],
         ),
-        # Ids outside the tiny vocabulary: no prompt can contain an image or video placeholder.
-        image_token_id=tokenizers.QWEN_VOCAB_SIZE + 1,
-        video_token_id=tokenizers.QWEN_VOCAB_SIZE + 2,
-        vision_start_token_id=tokenizers.QWEN_VOCAB_SIZE + 3,
-        vision_end_token_id=tokenizers.QWEN_VOCAB_SIZE + 4,
+        image_token_id=image_pad,
+        video_token_id=video_pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    transformer = QwenImageTransformer2DModel(
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def tiny_transformer(**config):
+    """The tiny ``QwenImageTransformer2DModel`` (``common.TINY_DIT`` on 2x2-packed 16-channel latents);
+    ``config``: the released variant's switches (2511's ``zero_cond_t``, Layered's layer RoPE)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=64,
         out_channels=16,
         **common.TINY_DIT,
         joint_attention_dim=TEXT_DIM,
         axes_dims_rope=common.TINY_ROPE_AXES,
+        **config,
     ).eval()
-    vae = AutoencoderKLQwenImage(**wan.tiny_vae_config()).eval()
-    # Qwen-Image's released schedule: diffusers' defaults but for these four.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+
+
+def tiny_vae(**config):
+    """The tiny ``AutoencoderKLQwenImage`` (``tiny/wan2.1-t2v``'s VAE config; ``config`` overrides it:
+    Layered's 4-channel RGBA ``input_channels`` and narrower ``base_dim``)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(**{**wan.tiny_vae_config(), **config}).eval()
+
+
+def released_scheduler():
+    """Qwen-Image's released schedule (diffusers' defaults but for these four; the edit and layered
+    checkpoints ship the same scheduler config)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
     )
+
+
+def build_tiny_qwen_image():
+    """The tiny ``QwenImagePipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
+    from diffusers import QwenImagePipeline
+
+    tokenizer = tokenizers.qwen_tokenizer()
+    text_encoder = tiny_text_encoder(tokenizer)
+    transformer = tiny_transformer()
+    vae = tiny_vae()
     return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+        scheduler=released_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
     )
 
 

@@ -36,8 +36,8 @@ Ranks: diffusers' ``QwenImageTransformer2DModel._cp_plan`` splits the noise and 
 (and 2511's ``modulate_index``) over the Ulysses / Ring ranks; 2 and 4 ranks match one rank within
 1.3e-6 (``tests/test_families_sp.py``).
 
-Not served here: Qwen-Image-Layered (``QwenImageLayeredPipeline``), which takes an RGBA image and
-returns several RGBA layers per request at a 640 / 1024 resolution bucket.
+Qwen-Image-Layered (``QwenImageLayeredPipeline``: an RGBA image in, several RGBA layers out at a
+640 / 1024 resolution bucket) is ``families.qwen_image_layered``.
 """
 
 from __future__ import annotations
@@ -46,15 +46,13 @@ import logging
 import math
 from typing import Any
 
-from tilecast.runtime.models.families import common, images, tokenizers, wan
+from tilecast.runtime.models.families import common, images, qwen_image, tokenizers
 from tilecast.runtime.models.families.common import I2IParams, TinyCheckpoint
 from tilecast.runtime.models.families.qwen_image import QwenImageT2IPipeline
 from tilecast.runtime.pipeline import WorkItem
 
 logger = logging.getLogger(__name__)
 
-TEXT_DIM = 32
-"""Hidden size of the tiny text encoder (the transformer's ``joint_attention_dim``)."""
 VISION_MAX_PIXELS = 56 * 56
 """The tiny processor's ``max_pixels``: an input image reaches the vision tower as at most 4 x 4
 patches of 14 pixels, 2 x 2 merged tokens (the released processor allows 12845056 pixels)."""
@@ -76,59 +74,19 @@ def build_tiny_qwen_image_edit(*, plus: bool):
     """The tiny ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, 2511's transformer)
     in memory (call under a seed; ``TinyCheckpoint`` does). Needs torchvision (the processor)."""
     import diffusers
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     tokenizer = tokenizers.qwen_tokenizer(vision=True)
-    vision_start, _vision_end, image_pad, video_pad = tokenizer.convert_tokens_to_ids(tokenizers.QWEN_VISION_SPECIAL)
-    text = common.tiny_qwen_text_config(tokenizer, hidden_size=TEXT_DIM)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=None,
-            **{**text, "vocab_size": tokenizers.QWEN_VL_VOCAB_SIZE},
-        ),
-        # One block of two 8-wide heads; Qwen2.5-VL's patch (14), merge (2x2) and window geometry.
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=TEXT_DIM,
-            fullatt_block_indexes=[0],
-        ),
-        image_token_id=image_pad,
-        video_token_id=video_pad,
-        vision_start_token_id=vision_start,
-        vision_end_token_id=_vision_end,
-    )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    text_encoder = qwen_image.tiny_text_encoder(tokenizer, vision_tokens=True)
     processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=VISION_MIN_PIXELS, max_pixels=VISION_MAX_PIXELS),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(),
         chat_template=tokenizers.QWEN_CHAT_TEMPLATE,
     )
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=64,
-        out_channels=16,
-        **common.TINY_DIT,
-        joint_attention_dim=TEXT_DIM,
-        axes_dims_rope=common.TINY_ROPE_AXES,
-        **({"zero_cond_t": True} if plus else {}),
-    ).eval()
-    vae = AutoencoderKLQwenImage(**wan.tiny_vae_config()).eval()
-    # Qwen-Image's released schedule (the edit checkpoints ship the same scheduler config).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
-    )
+    transformer = qwen_image.tiny_transformer(**({"zero_cond_t": True} if plus else {}))
+    vae = qwen_image.tiny_vae()
+    scheduler = qwen_image.released_scheduler()
     cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
     return cls(
         scheduler=scheduler,
