@@ -288,6 +288,9 @@ class Client(_Base):
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wakeup.pull, zmq.POLLIN)
+        # A request no peer could take yet: sends never block this thread (after a refused handshake
+        # libzmq drops the connection for good, and a blocking send would never return).
+        unsent = None
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(200))
@@ -298,8 +301,10 @@ class Client(_Base):
                     self._refused()
                 while True:
                     try:
-                        sock.send_multipart(self._outbox.get_nowait(), copy=False)
-                    except queue.Empty:
+                        unsent = unsent or self._outbox.get_nowait()
+                        sock.send_multipart(unsent, flags=zmq.NOBLOCK, copy=False)
+                        unsent = None
+                    except (queue.Empty, zmq.Again):
                         break
                 if sock in events:
                     while True:
@@ -481,7 +486,9 @@ class AsyncClient(_Base):
         req_id = self._next_id()
         future = asyncio.get_running_loop().create_future()
         self._pending[req_id] = future
-        await self._sock.send_multipart(frames_for(req_id))
+        # Sent beside the wait, not before it: after a refused handshake no peer ever takes it, and
+        # the refusal (``_watch``) or the deadline must still end the call.
+        send = asyncio.ensure_future(self._sock.send_multipart(frames_for(req_id)))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -493,6 +500,7 @@ class AsyncClient(_Base):
                     await self._probe()
         finally:
             self._pending.pop(req_id, None)
+            send.cancel()
 
     async def _probe(self) -> None:
         try:

@@ -54,6 +54,22 @@ def test_the_key_opens_the_server_and_nothing_else_does(keyed_server):
 
 
 @pytest.mark.timeout(60)
+def test_a_request_sent_after_a_refused_handshake_never_wedges_the_client(keyed_server):
+    """libzmq drops a connection whose handshake it refused for good: a DEALER's blocking send then
+    never returns. A request that reaches the client's I/O thread after the refusal (the race behind
+    a 10 s "no reply" instead of the refusal) must leave the thread free: it still ends on close."""
+    client = Client(keyed_server.endpoint, timeout=20)  # no key: refused
+    try:
+        wait_until(lambda: client._auth_error is not None, 10, "the refused handshake")
+        client._outbox.put([b"", b"sent after the refusal"])
+        client._wakeup.wake()
+        time.sleep(0.5)
+    finally:
+        client.close()
+    assert not client._thread.is_alive(), "the client's I/O thread is stuck in a send"
+
+
+@pytest.mark.timeout(60)
 def test_async_client_with_a_wrong_key_is_refused(keyed_server):
     async def main() -> None:
         async with AsyncClient(keyed_server.endpoint, api_key="not it", timeout=20) as client:
