@@ -6,6 +6,10 @@ STAMP := $(VENV)/.tilecast-installed
 # CUDA build: `make install TORCH_SPEC=` (empty) installs nothing for torch.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); a file's tests stay on one worker, so its module fixtures (servers,
+# loaded pipelines) start once. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile)
 
 .PHONY: install demo lint format test test-fast bench clean
 
@@ -31,10 +35,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: install lint
-	$(PY) -P -m pytest -q $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -P -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # CPU-capable benchmark; the GPU ones are `tilecast bench k6sr|attention|placement` (see README).
 bench: install
