@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile)
 
-.PHONY: install demo lint format test test-fast bench clean
+.PHONY: install demo lint format test test-fast test-grid bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,10 +35,14 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: install lint
-	$(PY) -P -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q $(XDIST) -m "not grid" $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -P -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -P -m pytest -q $(XDIST) -m "not slow and not grid" $(PYTEST_ARGS)
+
+# Every served row of the compatibility grid on a 2-rank torchrun server (~15 s a row; not in `make test`).
+test-grid: install
+	$(PY) -P -m pytest -q $(XDIST) -m grid $(PYTEST_ARGS)
 
 # CPU-capable benchmark; the GPU ones are `tilecast bench k6sr|attention|placement` (see README).
 bench: install

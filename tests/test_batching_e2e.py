@@ -122,40 +122,41 @@ def test_a_failing_merged_batch_fails_every_member_and_the_server_goes_on(serve)
         assert after.job.state == "completed" and after.files
 
 
-@pytest.mark.parametrize(
-    ("model", "extra", "mime"),
-    [
-        ("tiny/flux", {}, "image/png"),
-        ("tiny/qwen-image", {}, "image/png"),
-        ("tiny/qwen-image-2512", {}, "image/png"),
-        ("tiny/z-image-turbo", {}, "image/png"),
-        ("tiny/z-image", {}, "image/png"),
-        ("tiny/sd3", {}, "image/png"),
-        ("tiny/glm-image", {}, "image/png"),
-        ("tiny/sana-1.5-1.6b", {}, "image/png"),
-        ("tiny/flux.2-dev", {"num_inference_steps": 2}, "image/png"),
-        ("tiny/flux.2-dev-nvfp4", {"num_inference_steps": 2}, "image/png"),  # its NVFP4 file by default
-        ("tiny/flux.2-klein-4b", {}, "image/png"),
-        ("tiny/ernie-image", {}, "image/png"),
-        ("tiny/ernie-image-turbo", {}, "image/png"),
-        ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
-        ("tiny/hunyuanvideo", {"num_frames": 5, "num_inference_steps": 2}, "video/mp4"),
-        ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
-        ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
-        ("tiny/ltx-2", {"width": 64, "height": 64, "num_frames": 9, "num_inference_steps": 2}, "video/mp4"),
-        ("tiny/wan2.1-i2v-14b-480p", {"num_frames": 5, "image": example_image()}, "video/mp4"),
-        ("tiny/wan2.2-t2v-a14b", {"num_frames": 5}, "video/mp4"),
-        ("tiny/wan2.2-i2v-a14b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
-        ("tiny/wan2.2-ti2v-5b", {"num_frames": 5}, "video/mp4"),
-        ("tiny/wan2.2-ti2v-5b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
-        # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 is refused under
-        # Qwen-Image's shift_terminal schedule). Edit Plus serves one request per call.
-        ("tiny/qwen-image-edit", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
-        ("tiny/qwen-image-edit-2511", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
-        # decomposition: no size (diffusers' 640 bucket at the image's aspect ratio), two RGBA layers each
-        ("tiny/qwen-image-layered", {"image": example_image(), "num_inference_steps": 2, "layers": 2}, "image/png"),
-    ],
-)
+ROWS = [
+    ("tiny/flux", {}, "image/png"),
+    ("tiny/qwen-image", {}, "image/png"),
+    ("tiny/qwen-image-2512", {}, "image/png"),
+    ("tiny/z-image-turbo", {}, "image/png"),
+    ("tiny/z-image", {}, "image/png"),
+    ("tiny/sd3", {}, "image/png"),
+    ("tiny/glm-image", {}, "image/png"),
+    ("tiny/sana-1.5-1.6b", {}, "image/png"),
+    ("tiny/flux.2-dev", {"num_inference_steps": 2}, "image/png"),
+    ("tiny/flux.2-dev-nvfp4", {"num_inference_steps": 2}, "image/png"),  # its NVFP4 file by default
+    ("tiny/flux.2-klein-4b", {}, "image/png"),
+    ("tiny/ernie-image", {}, "image/png"),
+    ("tiny/ernie-image-turbo", {}, "image/png"),
+    ("tiny/wan2.1-t2v", {"num_frames": 5}, "video/mp4"),
+    ("tiny/hunyuanvideo", {"num_frames": 5, "num_inference_steps": 2}, "video/mp4"),
+    ("tiny/helios-base", {"num_frames": 33, "num_inference_steps": 2}, "video/mp4"),
+    ("tiny/helios-distilled", {"num_frames": 33}, "video/mp4"),
+    ("tiny/ltx-2", {"width": 64, "height": 64, "num_frames": 9, "num_inference_steps": 2}, "video/mp4"),
+    ("tiny/wan2.1-i2v-14b-480p", {"num_frames": 5, "image": example_image()}, "video/mp4"),
+    ("tiny/wan2.2-t2v-a14b", {"num_frames": 5}, "video/mp4"),
+    ("tiny/wan2.2-i2v-a14b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
+    ("tiny/wan2.2-ti2v-5b", {"num_frames": 5}, "video/mp4"),
+    ("tiny/wan2.2-ti2v-5b", {"num_frames": 5, "image": example_image()}, "video/mp4"),
+    # image editing: an input image each (same size, so Edit requests merge); 2 steps (1 is refused under
+    # Qwen-Image's shift_terminal schedule). Edit Plus serves one request per call.
+    ("tiny/qwen-image-edit", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
+    ("tiny/qwen-image-edit-2511", {"image": example_image(), "num_inference_steps": 2}, "image/png"),
+    # decomposition: no size (diffusers' 640 bucket at the image's aspect ratio), two RGBA layers each
+    ("tiny/qwen-image-layered", {"image": example_image(), "num_inference_steps": 2, "layers": 2}, "image/png"),
+]
+"""The grid's rows as served: (built-in model, request fields beside ``SMALL``, output type)."""
+
+
+@pytest.mark.parametrize(("model", "extra", "mime"), ROWS)
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
     """Each row through a served model: three concurrent requests merge into one batch (a family
     served one request at a time runs them alone), then a request alone."""
@@ -174,6 +175,47 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
             assert len(result.files) == result.info.get("layers", 1)  # a layered model: a file per layer
         histogram = {int(k): v for k, v in client.stats()["batching"]["cumulative"]["size_histogram"].items()}
         assert histogram == ({3: 1, 1: 1} if size == 3 else {1: 4})
+
+
+@pytest.mark.grid
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("model", "extra", "mime"), ROWS)
+def test_family_row_on_a_two_rank_torchrun_server(model, extra, mime, tiny_cache, tmp_path):
+    """Each row through ``tilecast serve`` on 2 CPU ranks: Ulysses 2 where the family has a
+    sequence-parallel plan (one group: three concurrent requests merge), else two replica groups
+    (DP 2: a merged batch goes to one of them). A merged request equals the same request alone.
+    ``make test-grid`` (about 15 s a row: three interpreters start per server), not ``make test``."""
+    from tests.harness import ServerProcess, serve_args
+
+    cls = resolve_pipeline(model)
+    skip_without_required_modules(cls)
+    topology = dict(ulysses_degree=2) if cls.cp_plan is not None else dict(dp_degree=2)
+    fields = {**SMALL, **extra, "return_tensor": True}
+    if cls.size_from_image:
+        del fields["width"], fields["height"]
+    batching = dict(batching_mode="dynamic", batching_max_size=8, batching_delay_ms=500)
+    server = ServerProcess(
+        *serve_args(model, tmp_path / "out", num_gpus=2, **topology, **batching),
+        env={"TILECAST_CACHE": str(tiny_cache), "OMP_NUM_THREADS": "1"},
+        ready_timeout=200.0,
+    )
+    try:
+        with server.client(timeout=120.0) as client:
+            merged = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(3)])
+            alone = client.generate(prompt="row 0", seed=0, timeout=120.0, **fields)
+            assert client.health().world_size == 2
+    finally:
+        server.stop()
+    size = min(3, cls.max_batch_size)
+    sizes = [r.info["batch_size"] for r in merged]
+    if "ulysses_degree" in topology:
+        assert sizes == [size] * 3, sizes
+    assert max(sizes) <= size and alone.info["batch_size"] == 1, sizes
+    for result in (*merged, alone):
+        assert result.job.state == "completed" and result.files[0].mime == mime
+    diff = (merged[0].tensor(cls.output_kind) - alone.tensor(cls.output_kind)).abs().max().item()
+    assert diff <= BATCH_TOL, f"{model}: merged differs from alone by {diff:.3g}"
+    assert not server.leftovers()
 
 
 @pytest.mark.slow
