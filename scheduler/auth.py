@@ -22,6 +22,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 
 import zmq
 import zmq.auth.thread
@@ -89,6 +90,10 @@ class _KeyCheck:
         return hmac.compare_digest(key, self.client_public)  # a refusal: HANDSHAKE_FAILED_AUTH on the monitor
 
 
+ZAP_RELEASE_S = 5.0
+"""How long ``ServerAuth.start`` waits for the ZAP endpoint a just-stopped server still holds."""
+
+
 class ServerAuth:
     """The server side: ZAP handler plus the handshake-failure counter of one bound socket.
 
@@ -106,9 +111,23 @@ class ServerAuth:
         """Connections refused during the handshake (no key, a wrong key): what ``/metrics`` reports."""
 
     def start(self) -> None:
-        self._authenticator = zmq.auth.thread.ThreadAuthenticator(self._context, log=logger)
-        self._authenticator.start()
-        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self._check)
+        """Start the ZAP handler (one per context: it binds ``inproc://zeromq.zap.01``). A keyed server
+        stopped just before in this process may still hold that name: libzmq releases a closed
+        socket's endpoint on its reaper thread, a moment after ``close``; wait up to ``ZAP_RELEASE_S``."""
+        deadline = time.monotonic() + ZAP_RELEASE_S
+        while True:
+            authenticator = zmq.auth.thread.ThreadAuthenticator(self._context, log=logger)
+            try:
+                authenticator.start()
+                break
+            except zmq.ZMQError as exc:
+                if getattr(authenticator, "zap_socket", None) is not None:
+                    authenticator.zap_socket.close(linger=0)
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        self._authenticator = authenticator
+        authenticator.configure_curve_callback(domain="*", credentials_provider=self._check)
 
     def secure(self, sock: zmq.Socket) -> zmq.Socket:
         """Make ``sock`` a CURVE server and return the monitor socket that reports refused handshakes."""

@@ -70,6 +70,29 @@ def test_a_request_sent_after_a_refused_handshake_never_wedges_the_client(keyed_
 
 
 @pytest.mark.timeout(60)
+def test_a_keyed_server_starts_while_the_previous_one_still_releases_the_zap_endpoint():
+    """One ZAP handler per context, bound to ``inproc://zeromq.zap.01``; libzmq frees the name of a
+    closed socket a moment later, on its reaper thread (a keyed server right after another failed
+    with "Address already in use" under load). Held here for 0.3 s: the new handler waits for it."""
+    import threading
+
+    from tilecast.scheduler.auth import ServerAuth
+
+    context = zmq.Context()
+    holder = context.socket(zmq.REP)
+    holder.bind("inproc://zeromq.zap.01")
+    release = threading.Timer(0.3, holder.close, kwargs={"linger": 0})
+    release.start()
+    auth = ServerAuth(KEY, context)
+    try:
+        auth.start()
+    finally:
+        release.join()
+        auth.stop()
+        context.term()
+
+
+@pytest.mark.timeout(60)
 def test_async_client_with_a_wrong_key_is_refused(keyed_server):
     async def main() -> None:
         async with AsyncClient(keyed_server.endpoint, api_key="not it", timeout=20) as client:
