@@ -2,13 +2,14 @@
 
 - ``make_context``: a ``RankContext`` built by hand (what ``start_rank`` builds on a rank), its
   settings a real ``ServeConfig``, for tests that load a pipeline without starting ranks.
+- ``in_process_server``: a one-rank ``InProcessServer`` that answers, its loop checked at the end.
 - ``ServerProcess`` and friends: a real ``tilecast serve`` (torchrun ranks) for a test, and make sure
   nothing outlives it. The server binds ports the OS picks (``--port 0``, and ``--http-port 0`` with
   ``http=True``) and reports them in its ready file, so no test ever races another process for a
   port. The ready file's path, unique per server, is also what finds the server's processes (its
   command line).
 - Command lines: ``serve_args`` (``ServerProcess(*serve_args(model, out, num_gpus=2, ...))``),
-  ``cli_flags`` (any command's flags from keywords), ``k6sr_generate_args`` with ``saved_frames``;
+  ``cli_flags`` (any command's flags from keywords), ``run_generate``, ``k6sr_generate_args`` with ``saved_frames``;
   ``record_rank_starts`` runs the CLI without ranks; ``flux_step_bench`` the step bench on the CPU.
 - Waiting and talking to a server: ``wait_until`` (poll a condition, fail on a timeout),
   ``wait_for_state``, ``collect_outcomes`` (every job awaited from a thread of its own; after a
@@ -128,6 +129,26 @@ def cli_flags(**options: Any) -> list[str]:
         elif value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def run_generate(*, timeout: float = 200.0, **options: Any) -> subprocess.CompletedProcess:
+    """``tilecast generate`` with ``cli_flags(**options)`` in a subprocess; its exit status must be 0."""
+    command = [sys.executable, "-m", "tilecast", "generate", *cli_flags(**options)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+@contextlib.contextmanager
+def in_process_server(config, *, ready_s: float = 60.0) -> Iterator:
+    """A started ``InProcessServer`` of ``config`` that answers; its compute loop must end without error."""
+    from tilecast.runtime.inproc import InProcessServer
+
+    with InProcessServer(config) as server:
+        with Client(server.endpoint) as client:
+            client.wait_ready(ready_s)
+        yield server
+    assert server.error is None, server.error
 
 
 def serve_args(

@@ -156,6 +156,15 @@ ROWS = [
 """The grid's rows as served: (built-in model, request fields beside ``SMALL``, output type)."""
 
 
+def row_fields(cls, extra: dict) -> dict:
+    """A row's request fields: ``SMALL`` (LTX-2's rows say 64 x 64, its smallest) unless the input
+    image decides the size (Qwen-Image-Layered), then the row's own."""
+    fields = {**SMALL, **extra}
+    if cls.size_from_image:
+        del fields["width"], fields["height"]
+    return fields
+
+
 @pytest.mark.parametrize(("model", "extra", "mime"), ROWS)
 def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, serve):
     """Each row through a served model: three concurrent requests merge into one batch (a family
@@ -163,9 +172,7 @@ def test_family_row_serves_singleton_and_batched_requests(model, extra, mime, se
     skip_without_required_modules(resolve_pipeline(model))  # the Qwen image-edit rows need torchvision
     size = min(3, resolve_pipeline(model).max_batch_size)  # GLM-Image, Helios' pyramid, Edit Plus: one at a time
     with serve(model, delay_ms=500.0) as (_server, client):
-        fields = {**SMALL, **extra}  # LTX-2's smallest size is 64 x 64
-        if resolve_pipeline(model).size_from_image:  # Qwen-Image-Layered: its input image decides the size
-            del fields["width"], fields["height"]
+        fields = row_fields(resolve_pipeline(model), extra)
         merged = generate_all(client, [dict(prompt=f"row {i}", seed=i, **fields) for i in range(3)])
         single = client.generate(prompt="alone", timeout=60.0, **fields)
         assert [r.info["batch_size"] for r in merged] == [size] * 3 and single.info["batch_size"] == 1
@@ -190,9 +197,7 @@ def test_family_row_on_a_two_rank_torchrun_server(model, extra, mime, tiny_cache
     cls = resolve_pipeline(model)
     skip_without_required_modules(cls)
     topology = dict(ulysses_degree=2) if cls.cp_plan is not None else dict(dp_degree=2)
-    fields = {**SMALL, **extra, "return_tensor": True}
-    if cls.size_from_image:
-        del fields["width"], fields["height"]
+    fields = {**row_fields(cls, extra), "return_tensor": True}
     batching = dict(batching_mode="dynamic", batching_max_size=8, batching_delay_ms=500)
     server = ServerProcess(
         *serve_args(model, tmp_path / "out", num_gpus=2, **topology, **batching),

@@ -28,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import make_context, skip_without_required_modules
+from tests.harness import in_process_server, make_context, skip_without_required_modules
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
 from tilecast.runtime.models.families import images
@@ -277,8 +277,6 @@ def test_edit_plus_uses_every_input_image_and_is_served_singleton(loaded):
 def edit_server(tiny_cache, tmp_path_factory):
     """An in-process ``tiny/qwen-image-edit`` server with dynamic batching and the HTTP front end."""
     skip_without_required_modules(Edit)
-    from tilecast.runtime.inproc import InProcessServer
-
     config = ServeConfig(
         model_path="tiny/qwen-image-edit",
         device="cpu",
@@ -290,11 +288,8 @@ def edit_server(tiny_cache, tmp_path_factory):
         enable_batching_metrics=True,
         output_dir=tmp_path_factory.mktemp("out"),
     )
-    with InProcessServer(config) as server:
-        with Client(server.endpoint, timeout=180.0) as client:
-            client.wait_ready(60.0)
+    with in_process_server(config) as server:
         yield server
-    assert server.error is None, server.error
 
 
 def test_served_through_the_client_merges_edits_of_same_size_images(edit_server):

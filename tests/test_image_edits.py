@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
-import sys
 
 import httpx
 import openai
@@ -20,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import cli_flags, make_context
+from tests.harness import make_context, run_generate
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
 from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
@@ -243,15 +241,14 @@ def test_edits_need_multipart_and_an_image_model(server, tiny_cache, tmp_path):
 def test_generate_image_path_on_the_command_line(tiny_cache, tmp_path):
     reference = tmp_path / "ref.png"
     reference.write_bytes(png(80, 64))
-    command = [
-        sys.executable,
-        "-m",
-        "tilecast",
-        "generate",
-        *cli_flags(model_path=MODEL, device="cpu", prompt="a lighthouse", image_path=reference, seed=5),
-        *cli_flags(num_inference_steps=2, output_path=tmp_path / "out"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_generate(
+        model_path=MODEL,
+        device="cpu",
+        prompt="a lighthouse",
+        image_path=reference,
+        seed=5,
+        num_inference_steps=2,
+        output_path=tmp_path / "out",
+    )
     written = list((tmp_path / "out").glob("*.png"))
     assert len(written) == 1 and Image.open(written[0]).size == (80, 64)

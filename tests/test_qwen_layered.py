@@ -16,8 +16,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -27,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import cli_flags, make_context
+from tests.harness import in_process_server, make_context, run_generate
 from tilecast.client import Client
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families import images
@@ -211,8 +209,6 @@ def test_n_layers_are_n_rgba_png_files_and_alpha_reaches_the_model(loaded):
 @pytest.fixture(scope="module")
 def layered_server(tiny_cache, tmp_path_factory):
     """An in-process ``tiny/qwen-image-layered`` server with dynamic batching and the HTTP front end."""
-    from tilecast.runtime.inproc import InProcessServer
-
     config = ServeConfig(
         model_path="tiny/qwen-image-layered",
         device="cpu",
@@ -223,11 +219,8 @@ def layered_server(tiny_cache, tmp_path_factory):
         batching_delay_ms=300.0,
         output_dir=tmp_path_factory.mktemp("out"),
     )
-    with InProcessServer(config) as server:
-        with Client(server.endpoint, timeout=180.0) as client:
-            client.wait_ready(60.0)
+    with in_process_server(config) as server:
         yield server
-    assert server.error is None, server.error
 
 
 def test_served_through_the_client_merged_equals_alone(layered_server):
@@ -295,16 +288,17 @@ def test_images_edits_returns_every_layer_of_every_job(layered_server):
 def test_generate_on_the_command_line_writes_every_layer(tiny_cache, tmp_path):
     picture = tmp_path / "in.png"
     picture.write_bytes(rgba_png())
-    command = [
-        sys.executable,
-        "-m",
-        "tilecast",
-        "generate",
-        *cli_flags(model_path="tiny/qwen-image-layered", device="cpu", prompt="split", image_path=picture, seed=5),
-        *cli_flags(layers=2, num_inference_steps=2, output_path=tmp_path / "out", output_file_name="split.png"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_generate(
+        model_path="tiny/qwen-image-layered",
+        device="cpu",
+        prompt="split",
+        image_path=picture,
+        seed=5,
+        layers=2,
+        num_inference_steps=2,
+        output_path=tmp_path / "out",
+        output_file_name="split.png",
+    )
     written = sorted(path.name for path in (tmp_path / "out").glob("*.png"))
     assert written == ["split_layer0.png", "split_layer1.png"]
     assert all(Image.open(tmp_path / "out" / name).mode == "RGBA" for name in written)
