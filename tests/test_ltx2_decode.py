@@ -30,10 +30,12 @@ import torch
 
 from tests import decode_harness
 from tests.decode_harness import Case
+from tilecast.runtime.models.families import ltx2
 
 FLOAT_BOUND = 1e-5
 PRELOAD = ("diffusers.models.autoencoders.autoencoder_kl_ltx2",)
-ROWS, COLS, LATENT_FRAMES, CHANNELS = 8, 2, 2, 8
+ROWS, COLS, LATENT_FRAMES = 8, 2, 2
+CHANNELS = ltx2.TINY_VAE_CONFIG["latent_channels"]
 
 
 def tiny_vae():
@@ -42,15 +44,7 @@ def tiny_vae():
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return AutoencoderKLLTX2Video(
-            latent_channels=CHANNELS,
-            block_out_channels=(8, 16, 32, 64),
-            decoder_block_out_channels=(8, 16, 32),
-            layers_per_block=(1, 1, 1, 1, 1),
-            decoder_layers_per_block=(1, 1, 1, 1),
-            spatial_compression_ratio=32,
-            temporal_compression_ratio=8,
-        ).eval()
+        return AutoencoderKLLTX2Video(**ltx2.TINY_VAE_CONFIG).eval()
 
 
 def latents(rows: int = ROWS, latent_frames: int = LATENT_FRAMES) -> torch.Tensor:

@@ -118,6 +118,18 @@ def ltx2_cp_plan() -> dict:
     return plan
 
 
+TINY_VAE_CONFIG = dict(
+    latent_channels=8,
+    block_out_channels=(8, 16, 32, 64),
+    decoder_block_out_channels=(8, 16, 32),
+    layers_per_block=(1, 1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1),
+    spatial_compression_ratio=32,
+    temporal_compression_ratio=8,
+)
+"""The tiny checkpoint's ``AutoencoderKLLTX2Video`` (32x in space, 8x in time, as released)."""
+
+
 def build_tiny_ltx2():
     """The tiny ``LTX2Pipeline`` in memory (call under a seed; ``TinyCheckpoint`` does)."""
     from diffusers import (
@@ -179,15 +191,7 @@ def build_tiny_ltx2():
         audio_connector_num_learnable_registers=REGISTERS,
         rope_type="split",
     ).eval()
-    vae = AutoencoderKLLTX2Video(
-        latent_channels=8,
-        block_out_channels=(8, 16, 32, 64),
-        decoder_block_out_channels=(8, 16, 32),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1),
-        spatial_compression_ratio=32,
-        temporal_compression_ratio=8,
-    ).eval()
+    vae = AutoencoderKLLTX2Video(**TINY_VAE_CONFIG).eval()
     # base_channels = latent_channels x mel_bins / 4: the latents' normalisation statistics
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=8, ch_mult=(1, 2, 4), num_res_blocks=1, latent_channels=2, mel_bins=16, resolution=32
