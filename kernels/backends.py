@@ -14,6 +14,8 @@ Names:
   ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``  PyTorch's CUDA kernels, called through
                       their ``torch.ops.aten`` entry points with the log-sum-exp requested.
   ``fa``              flash-attn (optional dependency, ``pip install "tilecast[flash]"``).
+  ``fp8``             per-block scaled FP8 on tensor cores (Triton, ``kernels/fp8_attention.py``):
+                      opt-in only, ``auto`` never picks it (the output moves by about a percent).
 ``nabla`` (Kandinsky 6 SR's block-sparse attention, ``kernels/nabla.py``) is a name the capability
 table knows but not a registered kernel: it needs the model's mask, so only K6 SR's processor runs
 it, and ``resolve_backend("nabla")`` says so.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from . import capabilities as caps
+from . import fp8_attention
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +280,7 @@ for _registered in (
     _aten_backend("sdpa_flash", _sdpa_flash, "_scaled_dot_product_flash_attention", _HALF),
     _aten_backend("sdpa_efficient", _sdpa_efficient, "_scaled_dot_product_efficient_attention", _CUDA_FLOATS),
     _backend("fa", _fa, dtypes=_HALF, check=_fa_check),
+    _backend("fp8", fp8_attention.fp8_attention, dtypes=_HALF, check=fp8_attention.unavailable_reason),
 ):
     register_backend(_registered)
 

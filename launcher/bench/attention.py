@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from tilecast.kernels.attention import attention
-from tilecast.kernels.backends import available_backends
-from tilecast.launcher.bench.report import time_repeated
+from tilecast.kernels.backends import available_backends, resolve_backend
+from tilecast.launcher.bench.report import psnr_db, time_repeated
 
 H200_DENSE_BF16_TFLOPS = 989.0
 """The H200's dense bf16 peak, TFLOP/s (the "of peak" column)."""
@@ -19,31 +19,39 @@ MODEL_DIM = 1792
 """Kandinsky 6 SR's model width: heads = MODEL_DIM // head_dim."""
 
 
-def time_backend(backend: str, seq_len: int, head_dim: int, *, iters: int = 10, dtype=torch.bfloat16) -> float:
-    """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
+def _inputs(seq_len: int, head_dim: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, ...]:
     heads = MODEL_DIM // head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    return tuple(torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+
+
+def time_backend(backend: str, q, k, v, *, iters: int = 10) -> float:
+    """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
     return time_repeated(
         lambda: attention(q, k, v, backend=backend), repeats=iters, warmup=2, device="cuda", cuda_events=True
     ).median_s
 
 
 def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=None, iters: int = 10) -> list[dict]:
-    """One row per (head dim, sequence length, backend): ms, TFLOP/s and the fraction of the H200's
-    peak, or the error of a backend that cannot run the shape."""
+    """One row per (head dim, sequence length, backend): ms, TFLOP/s, the fraction of the H200's
+    peak, the speed and the PSNR against the default backend on the same inputs (``fp8`` departs
+    from bf16 there), or the error of a backend that cannot run the shape."""
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench attention needs a CUDA GPU")
     device = torch.device("cuda")
+    default = resolve_backend(None, device, torch.bfloat16).name
     names = backends or [name for name in available_backends(device, torch.bfloat16) if name != "sdpa_math"]
     rows = []
     for head_dim in head_dims:
         for seq_len in seq_lens:
-            heads = MODEL_DIM // head_dim
-            flops = 4 * seq_len * seq_len * head_dim * heads
+            q, k, v = _inputs(seq_len, head_dim)
+            flops = 4 * seq_len * seq_len * head_dim * q.shape[2]
+            reference = attention(q, k, v, backend=default)[0]
+            default_s = time_backend(default, q, k, v, iters=iters)
             for name in names:
                 try:
-                    seconds = time_backend(name, seq_len, head_dim, iters=iters)
+                    seconds = default_s if name == default else time_backend(name, q, k, v, iters=iters)
+                    out = attention(q, k, v, backend=name)[0]
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is reported
                     rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "error": str(exc)[:120]})
                     continue
@@ -56,6 +64,9 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
                         "ms": seconds * 1e3,
                         "tflops": tflops,
                         "of_peak": tflops / H200_DENSE_BF16_TFLOPS,
+                        "x_default": default_s / seconds,
+                        "psnr_vs_default": psnr_db(out, reference),
                     }
                 )
+            del q, k, v, reference
     return rows

@@ -90,23 +90,36 @@ def attention(
     seq_len: Annotated[list[int], typer.Option("--seq-len")] = [13_824, 47_616],  # noqa: B006
     head_dim: Annotated[list[int], typer.Option("--head-dim")] = [64, 128],  # noqa: B006
     iters: Annotated[int, typer.Option("--iters")] = 10,
+    backend: Annotated[
+        Optional[list[str]], typer.Option("--backend", help="Backends to time (repeatable; default: every available).")
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
-    """Forward TFLOP/s of every available attention backend (with log-sum-exp)."""
+    """Forward TFLOP/s of every available attention backend (with log-sum-exp), against the default one."""
     import torch
 
     from tilecast.kernels.backends import resolve_backend
     from tilecast.launcher.bench.attention import H200_DENSE_BF16_TFLOPS, bench_attention
 
     try:  # a ValueError names what is missing
-        rows = bench_attention(tuple(seq_len), tuple(head_dim), iters=iters)
+        rows = bench_attention(tuple(seq_len), tuple(head_dim), backends=backend, iters=iters)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     print_table(
         rows,
-        ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "error"],
-        f"attention forward, bf16 (peak {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s)",
-        headers=["backend", "head_dim", "seq_len", "ms", "TFLOP/s", f"of {H200_DENSE_BF16_TFLOPS:.0f} peak", "note"],
+        ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "x_default", "psnr_vs_default", "error"],
+        f"attention forward, bf16 inputs (dense-equivalent TFLOP/s; peak {H200_DENSE_BF16_TFLOPS:.0f})",
+        headers=[
+            "backend",
+            "head_dim",
+            "seq_len",
+            "ms",
+            "TFLOP/s",
+            f"of {H200_DENSE_BF16_TFLOPS:.0f} peak",
+            "x default",
+            "PSNR vs default (dB)",
+            "note",
+        ],
     )
     print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
     save_json(rows, json_out)

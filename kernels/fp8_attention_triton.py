@@ -1,0 +1,155 @@
+"""The Triton kernels of ``kernels/fp8_attention.py`` (which explains the scheme); imported on first use."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_blocks(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    length,
+    heads,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_ob,
+    stride_os,
+    stride_od,
+    multiplier,
+    head_dim: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DP: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+):
+    # One block of BLOCK rows of one (batch, head) and its float32 scale(s): PER_CHANNEL (V) e4m3
+    # with a scale per channel, else (Q, K) int8 with one scale, rounded to nearest.
+    block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, DP)
+    mask = (rows[:, None] < length) & (cols[None, :] < head_dim)
+    x = tl.load(x_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32) * multiplier
+    if PER_CHANNEL:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+        q = (x / scale[None, :]).to(tl.float8e4nv)
+        tl.store(scale_ptr + (bh * tl.num_programs(0) + block) * DP + cols, scale)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 127.0
+        y = x / scale
+        q = (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int8)
+        tl.store(scale_ptr + bh * tl.num_programs(0) + block, scale)
+    tl.store(out_ptr + bh * stride_ob + rows[:, None] * stride_os + cols[None, :] * stride_od, q)
+
+
+@triton.jit
+def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, vs_ptr, q_scale, m_i, l_i, acc, key0, num_k, cols, keys, QUANT, MASK):
+    # One key block of the online softmax; MASK: the block holds padded keys (the last one).
+    log2_e4m3_max = 8.807354922057604  # log2(448): p comes out on e4m3's range
+    k = tl.load(k_ptrs)
+    scale_index = key0 // QUANT
+    score_scale = q_scale * tl.load(ks_ptr + scale_index)
+    qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+    if MASK:
+        qk = tl.where((key0 + keys)[None, :] < num_k, qk, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
+    p = tl.math.exp2(qk * score_scale - (m_new - log2_e4m3_max)[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = tl.load(vt_ptrs)
+    pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
+    acc = acc * alpha[:, None] + pv * tl.load(vs_ptr + scale_index * cols.shape[0] + cols)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend(
+    q_ptr,
+    k_ptr,
+    vt_ptr,
+    qs_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    lse_ptr,
+    num_q,
+    num_k,
+    padded_q,
+    padded_k,
+    heads,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    head_dim: tl.constexpr,
+    DP: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One block of BLOCK_M query rows of one (batch, head) against every key. The operands are
+    # padded to whole QUANT blocks (one scale each), which BLOCK_M and BLOCK_N divide.
+    qblock = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, DP)
+    keys = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (bh * padded_q + rows[:, None]) * DP + cols[None, :])
+    q_scale = tl.load(qs_ptr + bh * (padded_q // QUANT) + (qblock * BLOCK_M) // QUANT)
+    k_ptrs = k_ptr + (bh * padded_k + keys[:, None]) * DP + cols[None, :]
+    vt_ptrs = vt_ptr + (bh * DP + cols[:, None]) * padded_k + keys[None, :]
+    ks_ptr += bh * (padded_k // QUANT)
+    vs_ptr += bh * (padded_k // QUANT) * DP
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    num_full = num_k // BLOCK_N
+    for kblock in range(0, num_full):
+        m_i, l_i, acc = attend_block(
+            q,
+            k_ptrs,
+            vt_ptrs,
+            ks_ptr,
+            vs_ptr,
+            q_scale,
+            m_i,
+            l_i,
+            acc,
+            kblock * BLOCK_N,
+            num_k,
+            cols,
+            keys,
+            QUANT,
+            False,
+        )
+        k_ptrs += BLOCK_N * DP
+        vt_ptrs += BLOCK_N
+    if num_full * BLOCK_N < num_k:
+        m_i, l_i, acc = attend_block(
+            q,
+            k_ptrs,
+            vt_ptrs,
+            ks_ptr,
+            vs_ptr,
+            q_scale,
+            m_i,
+            l_i,
+            acc,
+            num_full * BLOCK_N,
+            num_k,
+            cols,
+            keys,
+            QUANT,
+            True,
+        )
+    out = acc / l_i[:, None]
+    b = bh // heads
+    h = bh % heads
+    out_mask = (rows[:, None] < num_q) & (cols[None, :] < head_dim)
+    out_ptrs = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_os + cols[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    lse = (m_i + tl.math.log2(l_i) - 8.807354922057604) * 0.6931471805599453  # remove the 448, to ln units
+    tl.store(lse_ptr + bh * num_q + rows, lse, mask=rows < num_q)
