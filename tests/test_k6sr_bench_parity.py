@@ -100,3 +100,29 @@ def test_peer_draw_is_tilecast_chunk_noise_in_the_bench_dtype(dtype):
         ]
     for noise, shape, first_tile in zip(drawn, shapes, [0, 1, 3]):
         assert torch.equal(noise, draw_chunk_noise(shape, SEED, first_tile, dtype))
+
+
+def test_decode_flops_are_what_the_timed_decodes_ran(tiny_cache):
+    """``bench k6sr``'s ``decode_tflops``: the timer records each decode's latent shape, and the FLOPs
+    counted on meta tensors for those shapes equal those of the real decode on the CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tilecast.launcher.bench.k6sr import StageTimer, decode_flops
+    from tilecast.runtime.models.k6sr.loading import load_components
+    from tilecast.runtime.models.k6sr.tiny import ensure_tiny_k6sr
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
+
+    parts = load_components(ensure_tiny_k6sr(), device="cpu", dtype=torch.float32)
+    parts.decoder = ChannelsLastDecoder(parts.vae)
+    timer = StageTimer(parts)
+    timer.wrap(parts.decoder, "decode", "decode")
+    latents = torch.randn(1, parts.vae.config.latent_channels, 2, 6, 4)
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter, torch.no_grad():
+            parts.decoder.decode(latents)
+            parts.decoder.decode(latents)
+    finally:
+        timer.close()
+    assert timer.decoded == [tuple(latents.shape)] * 2
+    assert decode_flops(parts.vae, timer.decoded) == counter.get_total_flops() > 0

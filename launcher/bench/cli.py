@@ -77,6 +77,7 @@ def k6sr(
         "attention",
         "e2e_s",
         *(f"{s}_s" for s in (*STAGES, "other")),
+        "decode_tflops",
         "peak_reserved_gib",
         "ratio_vs_diffusers",
         "psnr_vs_diffusers_db",

@@ -118,6 +118,8 @@ class StageTimer:
 
     def __init__(self, parts) -> None:
         self.times = {stage: 0.0 for stage in STAGES}
+        self.decoded: list[tuple[int, ...]] = []
+        """The latent shape of every decode call since the last ``reset``."""
         self._restore: list[tuple[Any, str, Any]] = []
         self.wrap(parts.vae, "encode", "encode")
         self.wrap(parts.vae, "decode", "decode")
@@ -129,6 +131,8 @@ class StageTimer:
         original = getattr(module, method)
 
         def timed(*args, **kwargs):
+            if stage == "decode":
+                self.decoded.append(tuple(args[0].shape))
             synchronize()
             started = time.perf_counter()
             result = original(*args, **kwargs)
@@ -141,10 +145,35 @@ class StageTimer:
 
     def reset(self) -> None:
         self.times = {stage: 0.0 for stage in STAGES}
+        self.decoded = []
 
     def close(self) -> None:
         for module, method, _ in self._restore:
             delattr(module, method)
+
+
+@functools.cache
+def _decode_flops_per_shape(config_json: str, latent_shape: tuple[int, ...]) -> int:
+    import json
+
+    from diffusers import Kandinsky6SRVAE
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
+
+    with torch.device("meta"):
+        vae = Kandinsky6SRVAE.from_config(json.loads(config_json)).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        ChannelsLastDecoder(vae).decode(torch.empty(latent_shape, device="meta"))
+    return counter.get_total_flops()
+
+
+def decode_flops(vae, latent_shapes: list[tuple[int, ...]]) -> int:
+    """Convolution and matmul FLOPs (2 per multiply-add) of tilecast's K-VAE decode of these latents,
+    counted by PyTorch's ``FlopCounterMode`` on meta tensors (no memory, no GPU time)."""
+    config_json = vae.to_json_string()
+    return sum(_decode_flops_per_shape(config_json, shape) for shape in latent_shapes)
 
 
 @dataclasses.dataclass
@@ -157,6 +186,8 @@ class Measurement:
     peak_allocated_gib: float
     output: torch.Tensor
     nabla_density: float | None = None
+    decoded: tuple[tuple[int, ...], ...] = ()
+    """The latent shapes the row's request decoded."""
 
 
 def _measure(
@@ -174,6 +205,7 @@ def _measure(
 
     stage_runs: list[dict[str, float]] = []
     densities: list[float | None] = []
+    decoded: list[tuple[tuple[int, ...], ...]] = []
 
     def request() -> torch.Tensor:
         timer.reset()
@@ -181,6 +213,7 @@ def _measure(
             reset_nabla_stats(transformer)
         output = run()
         stage_runs.append(dict(timer.times))
+        decoded.append(tuple(timer.decoded))
         densities.append(nabla_density(transformer) if transformer is not None else None)
         return output
 
@@ -189,7 +222,12 @@ def _measure(
         repeats=repeats,
         warmup=1,
         device="cuda",
-        after_warmup=lambda: (stage_runs.clear(), densities.clear(), torch.cuda.reset_peak_memory_stats()),
+        after_warmup=lambda: (
+            stage_runs.clear(),
+            densities.clear(),
+            decoded.clear(),
+            torch.cuda.reset_peak_memory_stats(),
+        ),
     )
     best = timing.median_low_index
     stages = dict(stage_runs[best])
@@ -203,6 +241,7 @@ def _measure(
         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
         output=timing.result.float().cpu(),
         nabla_density=densities[best],
+        decoded=decoded[best],
     )
 
 
@@ -348,6 +387,10 @@ def bench_k6sr(
             }
             if m.nabla_density is not None:
                 row["nabla_density"] = m.nabla_density
+            if side == "tilecast" and m.decoded and m.stages_s.get("decode"):
+                flops = decode_flops(parts.vae, list(m.decoded))
+                row["decode_tflop"] = flops / 1e12
+                row["decode_tflops"] = flops / m.stages_s["decode"] / 1e12
             if side == "tilecast" and reference is not None:
                 row["ratio_vs_diffusers"] = ratio(m.e2e_s, reference.e2e_s)
                 row["psnr_vs_diffusers_db"] = (
