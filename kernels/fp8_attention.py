@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import torch
 
@@ -54,6 +55,20 @@ class KernelConfig:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelConfig":
+        """``"128x64w4s3"``: ``block_m`` x ``block_n``, warps, stages (``ValueError`` naming the form)."""
+        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        if match is None:
+            raise ValueError(f"fp8 kernel config {text!r}: write it as BLOCK_MxBLOCK_NwWARPSsSTAGES, e.g. 128x128w4s3")
+        config = cls(*(int(group) for group in match.groups()))
+        if QUANT_BLOCK % config.block_m or QUANT_BLOCK % config.block_n:
+            raise ValueError(f"fp8 kernel config {text!r}: BLOCK_M and BLOCK_N must divide {QUANT_BLOCK}")
+        return config
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
 
 
 def default_config(head_dim: int) -> KernelConfig:
@@ -167,8 +182,6 @@ def run_kernels(
     num_k = k_BKHD.shape[1]
     if v_BKHD.shape[-1] != head_dim:
         raise ValueError(f"fp8 attention needs V's head dim ({v_BKHD.shape[-1]}) equal to Q's ({head_dim})")
-    if QUANT_BLOCK % config.block_m or QUANT_BLOCK % config.block_n:
-        raise ValueError(f"fp8 attention blocks must divide {QUANT_BLOCK}, got {config}")
     dp = padded_head_dim(head_dim)
     q8, q_scales = _quantize(q_BSHD, dp, multiplier=scale * LOG2E)
     k8, k_scales = _quantize(k_BKHD, dp)

@@ -43,6 +43,20 @@ def test_fp8_asked_for_without_a_gpu_is_refused_naming_why():
         resolve_backend("fp8", "cpu", torch.bfloat16)
 
 
+def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
+    from tilecast.kernels.fp8_attention import KernelConfig, default_config
+    from tilecast.launcher.bench.attention import bench_attention
+
+    assert KernelConfig.parse("128x64w4s3") == KernelConfig(128, 64, 4, 3)
+    assert str(default_config(64)) == "128x128w4s3" and str(default_config(128)) == "128x128w8s3"
+    with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):
+        KernelConfig.parse("128x64")
+    with pytest.raises(ValueError, match="must divide 128"):
+        KernelConfig.parse("96x64w4s3")
+    with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):  # before any GPU is needed
+        bench_attention(backends=["sdpa_cudnn", "fp8:big"])
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA
 

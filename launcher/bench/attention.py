@@ -25,10 +25,24 @@ def _inputs(seq_len: int, head_dim: int, dtype=torch.bfloat16) -> tuple[torch.Te
     return tuple(torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
 
 
+FP8_TILING_PREFIX = "fp8:"
+"""A backend name ``fp8:<tiling>`` runs the fp8 kernel with that ``KernelConfig`` (e.g. ``fp8:128x64w4s3``)."""
+
+
+def _call(backend: str, q, k, v):
+    """``(out, lse)`` of ``backend`` (or of the fp8 kernel at a tiling, ``fp8:<tiling>``)."""
+    if backend.startswith(FP8_TILING_PREFIX):
+        from tilecast.kernels.fp8_attention import KernelConfig, run_kernels
+
+        config = KernelConfig.parse(backend.removeprefix(FP8_TILING_PREFIX))
+        return run_kernels(q, k, v, scale=q.shape[-1] ** -0.5, config=config)
+    return attention(q, k, v, backend=backend)
+
+
 def time_backend(backend: str, q, k, v, *, iters: int = 10) -> float:
     """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
     return time_repeated(
-        lambda: attention(q, k, v, backend=backend), repeats=iters, warmup=2, device="cuda", cuda_events=True
+        lambda: _call(backend, q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True
     ).median_s
 
 
@@ -36,6 +50,11 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
     """One row per (head dim, sequence length, backend): ms, TFLOP/s, the fraction of the H200's
     peak, the speed and the PSNR against the default backend on the same inputs (``fp8`` departs
     from bf16 there), or the error of a backend that cannot run the shape."""
+    from tilecast.kernels.fp8_attention import KernelConfig
+
+    for name in backends or ():
+        if name.startswith(FP8_TILING_PREFIX):
+            KernelConfig.parse(name.removeprefix(FP8_TILING_PREFIX))  # ValueError naming the form
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench attention needs a CUDA GPU")
     device = torch.device("cuda")
@@ -51,7 +70,7 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
             for name in names:
                 try:
                     seconds = default_s if name == default else time_backend(name, q, k, v, iters=iters)
-                    out = attention(q, k, v, backend=name)[0]
+                    out = _call(name, q, k, v)[0]
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is reported
                     rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "error": str(exc)[:120]})
                     continue

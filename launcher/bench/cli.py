@@ -92,7 +92,12 @@ def attention(
     head_dim: Annotated[list[int], typer.Option("--head-dim")] = [64, 128],  # noqa: B006
     iters: Annotated[int, typer.Option("--iters")] = 10,
     backend: Annotated[
-        Optional[list[str]], typer.Option("--backend", help="Backends to time (repeatable; default: every available).")
+        Optional[list[str]],
+        typer.Option(
+            "--backend",
+            help="Backends to time (repeatable; default: every available); fp8:128x64w4s3 times the fp8 kernel "
+            "at that tiling (BLOCK_MxBLOCK_NwWARPSsSTAGES).",
+        ),
     ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
