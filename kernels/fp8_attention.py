@@ -38,8 +38,8 @@ import re
 
 import torch
 
-E4M3_MAX = 448.0
-"""Largest finite ``float8_e4m3fn`` value: a V block's largest magnitude per channel maps onto it."""
+LOG2E = 1.4426950408889634
+"""Q is pre-multiplied by it (with the softmax scale): the kernel's scores are in log2 units, for ``exp2``."""
 MIN_CUDA_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer."""
 QUANT_BLOCK = 128
@@ -75,9 +75,6 @@ def default_config(head_dim: int) -> KernelConfig:
     """The fastest tiling measured on an H100 (``tilecast bench attention``): 4 warps up to head dim
     64 (47,616 tokens: 522 TFLOP/s against 379 with 8), 8 above (head dim 128: 561 against 435)."""
     return KernelConfig(num_warps=4 if padded_head_dim(head_dim) <= 64 else 8)
-
-
-LOG2E = 1.4426950408889634
 
 
 def unavailable_reason() -> str | None:
