@@ -271,14 +271,19 @@ class Pipeline(ABC):
             reasons=cls.unsupported_reasons,
         )
         backend = getattr(settings, "attention_backend", None)
-        if backend not in cls.model_attention_backends:
-            from tilecast.kernels import capabilities
+        from tilecast.kernels import capabilities
 
-            if capabilities.model_attention(backend) is not None:
-                raise UnsupportedSettingError(
-                    f"{capabilities.model_attention_message(backend)} ({model_path or settings.model_path} is "
-                    f"served by {getattr(cls, 'family', cls.__name__)})"
-                )
+        if backend not in cls.model_attention_backends and capabilities.model_attention(backend) is not None:
+            raise UnsupportedSettingError(
+                f"{capabilities.model_attention_message(backend)} ({model_path or settings.model_path} is "
+                f"served by {getattr(cls, 'family', cls.__name__)})"
+            )
+        if backend is not None and capabilities.model_attention(backend) is None:
+            from tilecast.kernels.backends import resolve_backend
+
+            # Before any weight loads: an unknown name, or a kernel this machine lacks (fp8 or fa
+            # without a GPU, ...): ValueError / BackendUnavailableError naming it and why.
+            resolve_backend(backend, getattr(settings, "device", "cpu"))
 
     @abstractmethod
     def run(self, items: list[WorkItem], ctx: RankContext) -> list[Output]:

@@ -43,6 +43,19 @@ def test_fp8_asked_for_without_a_gpu_is_refused_naming_why():
         resolve_backend("fp8", "cpu", torch.bfloat16)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
+def test_serving_fp8_without_a_gpu_is_refused_before_any_weight_loads(tmp_path, monkeypatch):
+    from tests.harness import make_context
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the attention backend was checked")
+
+    monkeypatch.setattr(FluxT2IPipeline, "build_diffusers", no_loading)
+    with pytest.raises(BackendUnavailableError, match="'fp8' needs a CUDA GPU"):
+        FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", attention_backend="fp8"))
+
+
 def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
     from tilecast.kernels.fp8_attention import KernelConfig, default_config
     from tilecast.launcher.bench.attention import bench_attention
