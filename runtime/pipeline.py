@@ -273,12 +273,13 @@ class Pipeline(ABC):
         backend = getattr(settings, "attention_backend", None)
         from tilecast.kernels import capabilities
 
-        if backend not in cls.model_attention_backends and capabilities.model_attention(backend) is not None:
-            raise UnsupportedSettingError(
-                f"{capabilities.model_attention_message(backend)} ({model_path or settings.model_path} is "
-                f"served by {getattr(cls, 'family', cls.__name__)})"
-            )
-        if backend is not None and capabilities.model_attention(backend) is None:
+        if capabilities.model_attention(backend) is not None:
+            if backend not in cls.model_attention_backends:
+                raise UnsupportedSettingError(
+                    f"{capabilities.model_attention_message(backend)} ({model_path or settings.model_path} is "
+                    f"served by {getattr(cls, 'family', cls.__name__)})"
+                )
+        elif backend is not None:
             from tilecast.kernels.backends import resolve_backend
 
             # Before any weight loads: an unknown name, or a kernel this machine lacks (fp8 or fa

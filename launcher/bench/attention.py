@@ -29,48 +29,46 @@ FP8_TILING_PREFIX = "fp8:"
 """A backend name ``fp8:<tiling>`` runs the fp8 kernel with that ``KernelConfig`` (e.g. ``fp8:128x64w4s3``)."""
 
 
-def _call(backend: str, q, k, v):
-    """``(out, lse)`` of ``backend`` (or of the fp8 kernel at a tiling, ``fp8:<tiling>``)."""
+def runner(backend: str):
+    """``fn(q, k, v) -> (out, lse)`` for ``backend``, or for the fp8 kernel at a tiling
+    (``fp8:<tiling>``, parsed here once: ``ValueError`` naming the form)."""
     if backend.startswith(FP8_TILING_PREFIX):
         from tilecast.kernels.fp8_attention import KernelConfig, run_kernels
 
         config = KernelConfig.parse(backend.removeprefix(FP8_TILING_PREFIX))
-        return run_kernels(q, k, v, scale=q.shape[-1] ** -0.5, config=config)
-    return attention(q, k, v, backend=backend)
+        return lambda q, k, v: run_kernels(q, k, v, scale=q.shape[-1] ** -0.5, config=config)
+    return lambda q, k, v: attention(q, k, v, backend=backend)
 
 
-def time_backend(backend: str, q, k, v, *, iters: int = 10) -> float:
+def time_call(fn, q, k, v, *, iters: int = 10) -> float:
     """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
-    return time_repeated(
-        lambda: _call(backend, q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True
-    ).median_s
+    return time_repeated(lambda: fn(q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True).median_s
 
 
 def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=None, iters: int = 10) -> list[dict]:
     """One row per (head dim, sequence length, backend): ms, TFLOP/s, the fraction of the H200's
     peak, the speed and the PSNR against the default backend on the same inputs (``fp8`` departs
     from bf16 there), or the error of a backend that cannot run the shape."""
-    from tilecast.kernels.fp8_attention import KernelConfig
-
-    for name in backends or ():
-        if name.startswith(FP8_TILING_PREFIX):
-            KernelConfig.parse(name.removeprefix(FP8_TILING_PREFIX))  # ValueError naming the form
+    runners = {name: runner(name) for name in backends or ()}  # a bad tiling is named before any GPU is needed
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench attention needs a CUDA GPU")
     device = torch.device("cuda")
     default = resolve_backend(None, device, torch.bfloat16).name
-    names = backends or [name for name in available_backends(device, torch.bfloat16) if name != "sdpa_math"]
+    if not runners:
+        available = available_backends(device, torch.bfloat16)
+        runners = {name: runner(name) for name in available if name != "sdpa_math"}
+    default_fn = runners.get(default) or runner(default)
     rows = []
     for head_dim in head_dims:
         for seq_len in seq_lens:
             q, k, v = _inputs(seq_len, head_dim)
             flops = 4 * seq_len * seq_len * head_dim * q.shape[2]
-            reference = attention(q, k, v, backend=default)[0]
-            default_s = time_backend(default, q, k, v, iters=iters)
-            for name in names:
+            reference = default_fn(q, k, v)[0]
+            default_s = time_call(default_fn, q, k, v, iters=iters)
+            for name, fn in runners.items():
                 try:
-                    seconds = default_s if name == default else time_backend(name, q, k, v, iters=iters)
-                    out = _call(name, q, k, v)[0]
+                    seconds = default_s if name == default else time_call(fn, q, k, v, iters=iters)
+                    out = reference if name == default else fn(q, k, v)[0]
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is reported
                     rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "error": str(exc)[:120]})
                     continue
