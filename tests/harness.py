@@ -139,6 +139,18 @@ def run_generate(*, timeout: float = 200.0, **options: Any) -> subprocess.Comple
     return done
 
 
+DYNAMIC_BATCHING = dict(batching_mode="dynamic", batching_max_size=4, batching_delay_ms=300.0)
+"""The served tests' dynamic batching: up to 4 requests, 300 ms for the rest of a batch to arrive."""
+
+
+def http_server_config(model_path: str, output_dir: str | Path, **settings: Any):
+    """The ``ServeConfig`` of an in-process CPU server of ``model_path`` with the HTTP front end, both
+    on OS-picked ports, writing to ``output_dir``; ``settings`` add fields (``**DYNAMIC_BATCHING``)."""
+    from tilecast.runtime.config import ServeConfig
+
+    return ServeConfig(model_path=model_path, device="cpu", port=0, http_port=0, output_dir=output_dir, **settings)
+
+
 @contextlib.contextmanager
 def in_process_server(config, *, ready_s: float = 60.0) -> Iterator:
     """A started ``InProcessServer`` of ``config`` that answers; its compute loop must end without error."""

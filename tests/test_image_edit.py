@@ -28,9 +28,15 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import in_process_server, make_context, skip_without_required_modules
+from tests.harness import (
+    DYNAMIC_BATCHING,
+    http_server_config,
+    in_process_server,
+    make_context,
+    skip_without_required_modules,
+)
 from tilecast.client import Client
-from tilecast.runtime.config import ServeConfig, UnsupportedSettingError
+from tilecast.runtime.config import UnsupportedSettingError
 from tilecast.runtime.models.families import images
 from tilecast.runtime.models.families.common import I2IParams
 from tilecast.runtime.models.families.qwen_image_edit import (
@@ -277,16 +283,8 @@ def test_edit_plus_uses_every_input_image_and_is_served_singleton(loaded):
 def edit_server(tiny_cache, tmp_path_factory):
     """An in-process ``tiny/qwen-image-edit`` server with dynamic batching and the HTTP front end."""
     skip_without_required_modules(Edit)
-    config = ServeConfig(
-        model_path="tiny/qwen-image-edit",
-        device="cpu",
-        port=0,
-        http_port=0,
-        batching_mode="dynamic",
-        batching_max_size=4,
-        batching_delay_ms=300.0,
-        enable_batching_metrics=True,
-        output_dir=tmp_path_factory.mktemp("out"),
+    config = http_server_config(
+        "tiny/qwen-image-edit", tmp_path_factory.mktemp("out"), **DYNAMIC_BATCHING, enable_batching_metrics=True
     )
     with in_process_server(config) as server:
         yield server

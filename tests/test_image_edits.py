@@ -18,8 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import make_context, run_generate
-from tilecast.runtime.config import ServeConfig
+from tests.harness import DYNAMIC_BATCHING, http_server_config, make_context, run_generate
 from tilecast.runtime.inproc import InProcessServer
 from tilecast.runtime.models.families.flux2_klein import Flux2KleinT2IPipeline
 from tilecast.runtime.pipeline import WorkItem
@@ -127,16 +126,7 @@ def test_a_text_to_image_family_refuses_images(tiny_cache, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    config = ServeConfig(
-        model_path=MODEL,
-        device="cpu",
-        port=0,
-        http_port=0,
-        batching_mode="dynamic",
-        batching_max_size=4,
-        batching_delay_ms=300.0,
-        output_dir=tmp_path_factory.mktemp("out"),
-    )
+    config = http_server_config(MODEL, tmp_path_factory.mktemp("out"), **DYNAMIC_BATCHING)
     with InProcessServer(config) as running:
         yield running
 
@@ -225,7 +215,7 @@ def test_edits_edge_cases_get_their_4xx_and_the_server_goes_on(server, files, st
 def test_edits_need_multipart_and_an_image_model(server, tiny_cache, tmp_path):
     json_body = httpx.post(f"{server.http_url}/v1/images/edits", json={"prompt": "x"}, timeout=30)
     assert json_body.status_code == 415 and "multipart/form-data" in json_body.json()["error"]["message"]
-    config = ServeConfig(model_path="tiny/flux", device="cpu", port=0, http_port=0, output_dir=tmp_path)
+    config = http_server_config("tiny/flux", tmp_path)
     with InProcessServer(config) as text_only:
         answer = httpx.post(
             f"{text_only.http_url}/v1/images/edits",

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import make_context
+from tests.harness import http_server_config, make_context
 from tilecast.client import Client, ServerError
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
@@ -126,10 +126,9 @@ def test_an_adapter_equals_diffusers_load_lora_weights_and_merging_keeps_it(lora
 
 # ---- a server ------------------------------------------------------------------------------
 def test_set_list_generate_merge_unmerge_over_http_and_zeromq(loras, tmp_path):
-    config = ServeConfig(
-        model_path="tiny/flux", device="cpu", port=0, http_port=0, output_dir=tmp_path / "out",
-        lora_paths=(f"ink={loras['ink']}",), lora_dirs=(loras["oil"].parent,),
-    )  # fmt: skip
+    config = http_server_config(
+        "tiny/flux", tmp_path / "out", lora_paths=(f"ink={loras['ink']}",), lora_dirs=(loras["oil"].parent,)
+    )
     with InProcessServer(config) as server, Client(server.endpoint, timeout=120) as client:
         http = httpx.Client(base_url=server.http_url, timeout=120)
 

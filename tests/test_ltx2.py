@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.distributed import one_thread, run_ranks
-from tests.harness import make_context
+from tests.harness import http_server_config, make_context
 from tilecast.runtime.models.families.ltx2 import RECIPES, LTX2Params, LTX2T2VPipeline
 from tilecast.runtime.pipeline import WorkItem
 from tilecast.runtime.registry import resolve_pipeline
@@ -457,10 +457,9 @@ def test_openai_sdk_video_of_one_second_has_25_frames_and_its_soundtrack(tiny_ca
     import av
     import openai
 
-    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
 
-    config = ServeConfig(model_path="tiny/ltx-2", device="cpu", port=0, http_port=0, output_dir=tmp_path)
+    config = http_server_config("tiny/ltx-2", tmp_path)
     with InProcessServer(config) as server:
         sdk = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
         video = sdk.videos.create_and_poll(

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tilecast.runtime.config import ServeConfig
+from tests.harness import http_server_config
 from tilecast.runtime.inproc import InProcessServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,10 +29,7 @@ def _sdk(url: str) -> openai.OpenAI:
 
 
 def _serve(model_path: str, tmp_path_factory):
-    config = ServeConfig(
-        model_path=model_path, device="cpu", port=0, http_port=0, output_dir=tmp_path_factory.mktemp("out")
-    )
-    with InProcessServer(config) as server:
+    with InProcessServer(http_server_config(model_path, tmp_path_factory.mktemp("out"))) as server:
         yield server
 
 

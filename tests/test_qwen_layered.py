@@ -25,9 +25,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.harness import in_process_server, make_context, run_generate
+from tests.harness import DYNAMIC_BATCHING, http_server_config, in_process_server, make_context, run_generate
 from tilecast.client import Client
-from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families import images
 from tilecast.runtime.models.families.qwen_image_edit import QwenImageEditI2IPipeline as Edit
 from tilecast.runtime.models.families.qwen_image_layered import LayeredParams
@@ -209,16 +208,7 @@ def test_n_layers_are_n_rgba_png_files_and_alpha_reaches_the_model(loaded):
 @pytest.fixture(scope="module")
 def layered_server(tiny_cache, tmp_path_factory):
     """An in-process ``tiny/qwen-image-layered`` server with dynamic batching and the HTTP front end."""
-    config = ServeConfig(
-        model_path="tiny/qwen-image-layered",
-        device="cpu",
-        port=0,
-        http_port=0,
-        batching_mode="dynamic",
-        batching_max_size=4,
-        batching_delay_ms=300.0,
-        output_dir=tmp_path_factory.mktemp("out"),
-    )
+    config = http_server_config("tiny/qwen-image-layered", tmp_path_factory.mktemp("out"), **DYNAMIC_BATCHING)
     with in_process_server(config) as server:
         yield server
 

@@ -36,8 +36,8 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness import http_server_config
 from tests.media import write_test_video
-from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.inproc import InProcessServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,15 +52,7 @@ POLL_TIMEOUT_S = 120.0
 
 def _server(tmp_path_factory, model_path: str, **settings) -> InProcessServer:
     """An in-process CPU server with the HTTP front end (start it with ``with``)."""
-    config = ServeConfig(
-        model_path=model_path,
-        device="cpu",
-        port=0,
-        http_port=0,
-        output_dir=tmp_path_factory.mktemp("out"),
-        **settings,
-    )
-    return InProcessServer(config)
+    return InProcessServer(http_server_config(model_path, tmp_path_factory.mktemp("out"), **settings))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.harness import make_context
+from tests.harness import http_server_config, make_context
 from tilecast.runtime.config import UnsupportedSettingError
 from tilecast.runtime.models.families import images
 from tilecast.runtime.models.families.wan import WanFamily, WanT2VPipeline
@@ -520,16 +520,9 @@ def test_every_wan_family_declares_its_variants_hints():
 
 @pytest.fixture(scope="module")
 def i2v_http_server(tiny_cache, tmp_path_factory):
-    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
 
-    config = ServeConfig(
-        model_path="tiny/wan2.1-i2v-14b-480p",
-        device="cpu",
-        port=0,
-        http_port=0,
-        output_dir=tmp_path_factory.mktemp("out"),
-    )
+    config = http_server_config("tiny/wan2.1-i2v-14b-480p", tmp_path_factory.mktemp("out"))
     with InProcessServer(config) as server:
         yield server
 
@@ -570,12 +563,11 @@ def test_openai_sdk_sends_an_image_input_reference_to_an_i2v_server(i2v_http_ser
 def test_an_image_input_reference_to_a_text_to_video_server_is_a_400(tiny_cache, tmp_path):
     import openai
 
-    from tilecast.runtime.config import ServeConfig
     from tilecast.runtime.inproc import InProcessServer
 
     png = tmp_path / "first.png"
     png.write_bytes(FIRST)
-    config = ServeConfig(model_path="tiny/wan2.2-t2v-a14b", device="cpu", port=0, http_port=0, output_dir=tmp_path)
+    config = http_server_config("tiny/wan2.2-t2v-a14b", tmp_path)
     with InProcessServer(config) as server, png.open("rb") as reference:
         sdk = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match="takes no image reference") as refused:
