@@ -9,6 +9,11 @@ and can write into a slice of a larger buffer (``out``), such as a causal convol
 ``repeat_nearest`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 Both are exact copies: their outputs are equal, bit for bit.
 
+``interleave_phases`` is the other half of a 2x spatial upsampling computed by phases (the K-VAE's
+``PhasedUpsample``): a 2x2 convolution gives, for every source pixel, the four output pixels it
+becomes as four channel groups, and the interleave writes them to the doubled grid, adding the
+bias on the way (Triton on CUDA, else PyTorch's add from a strided view; equal bit for bit).
+
 Shapes: ``x_BTHWC`` (batch, frames, height, width, channels), channels-last.
 """
 
@@ -126,3 +131,74 @@ def repeat_nearest(
     """``triton_repeat`` for CUDA tensors when Triton is importable, else ``reference``."""
     kernel = triton_repeat if x_BTHWC.is_cuda and triton_available() else reference
     return kernel(x_BTHWC, rt, rh, rw, drop, out=out)
+
+
+def phases_shape(y_BTHWC: torch.Tensor) -> tuple[int, ...]:
+    batch, frames, height1, width1, channels4 = y_BTHWC.shape
+    if channels4 % 4 or height1 < 2 or width1 < 2:
+        raise ValueError(f"phases need (B, T, H + 1, W + 1, 4 C) with H, W >= 1, got {tuple(y_BTHWC.shape)}")
+    return batch, frames, 2 * (height1 - 1), 2 * (width1 - 1), channels4 // 4
+
+
+def phases_reference(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
+    """``out[b, t, 2i + a, 2j + e, c] = y[b, t, i + a, j + e, (2a + e) C + c] + bias[c]``, in PyTorch (an add
+    from a strided view of ``y``)."""
+    batch, frames, out_height, out_width, channels = phases_shape(y_BTHWC)
+    y_BTHWC = y_BTHWC.contiguous()
+    s_b, s_t, s_h, s_w, _ = y_BTHWC.stride()
+    phases = y_BTHWC.as_strided(
+        (batch, frames, out_height // 2, 2, out_width // 2, 2, channels),
+        (s_b, s_t, s_h, s_h + 2 * channels, s_w, s_w + channels, 1),
+    )
+    out = y_BTHWC.new_empty(batch, frames, out_height, out_width, channels)
+    torch.add(phases, bias_C, out=out.view(phases.shape))
+    return out
+
+
+@functools.cache
+def _triton_phases_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        y_ptr, bias_ptr, out_ptr, num_rows, channels, out_height, out_width, BLOCK_C: tl.constexpr, ROWS: tl.constexpr
+    ):
+        dtype = out_ptr.dtype.element_ty
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_C)
+        col_ok = cols < channels
+        mask = (rows < num_rows)[:, None] & col_ok[None, :]
+        col = rows % out_width
+        rest = rows // out_width
+        row = rest % out_height
+        frame = rest // out_height  # batch and frame together
+        a = row % 2
+        e = col % 2
+        source = (frame * (out_height // 2 + 1) + row // 2 + a) * (out_width // 2 + 1) + col // 2 + e
+        offsets = source * (4 * channels) + (2 * a + e) * channels
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        values = tl.load(y_ptr + offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * channels + cols[None, :], (values + bias[None, :]).to(dtype), mask=mask)
+
+    return kernel
+
+
+def triton_phases(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
+    """``phases_reference`` in one Triton kernel (CUDA tensors), reading whole channel rows."""
+    shape = phases_shape(y_BTHWC)
+    y_BTHWC = y_BTHWC.contiguous()
+    out = y_BTHWC.new_empty(shape)
+    channels = shape[-1]
+    num_rows = out.numel() // channels
+    grid, block_c, rows = row_tiling(num_rows, channels)
+    _triton_phases_kernel()[grid](
+        y_BTHWC, bias_C, out, num_rows, channels, shape[2], shape[3], BLOCK_C=block_c, ROWS=rows, num_warps=4
+    )
+    return out
+
+
+def interleave_phases(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
+    """``triton_phases`` for CUDA tensors when Triton is importable, else ``phases_reference``."""
+    kernel = triton_phases if y_BTHWC.is_cuda and triton_available() else phases_reference
+    return kernel(y_BTHWC, bias_C)

@@ -323,3 +323,13 @@ def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
         expected = scheduler.step(output, timestep, sample, return_dict=False)[0]
         got = piflow.triton_rollout(sample, output, schedule[index])
         assert torch.equal(got, expected), f"step {index}: max diff {(got.float() - expected.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 7, 4 * 256), (2, 3, 2, 2, 4 * 24), (1, 1, 9, 4, 4 * 2048)])
+def test_triton_phase_interleave_is_the_reference(shape):
+    from tilecast.kernels.upsample import phases_reference, triton_phases
+
+    torch.manual_seed(shape[-1])
+    y = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 4
+    bias = torch.randn(shape[-1] // 4, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(triton_phases(y, bias), phases_reference(y, bias))
