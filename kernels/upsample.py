@@ -134,6 +134,7 @@ def repeat_nearest(
 
 
 def phases_shape(y_BTHWC: torch.Tensor) -> tuple[int, ...]:
+    """The doubled grid ``(B, T, 2H, 2W, C)`` that phases ``(B, T, H + 1, W + 1, 4 C)`` interleave to."""
     batch, frames, height1, width1, channels4 = y_BTHWC.shape
     if channels4 % 4 or height1 < 2 or width1 < 2:
         raise ValueError(f"phases need (B, T, H + 1, W + 1, 4 C) with H, W >= 1, got {tuple(y_BTHWC.shape)}")
