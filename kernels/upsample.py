@@ -1,8 +1,10 @@
 """Nearest upsampling of a channels-last video by whole factors: ``out[b, t, h, w] = x[b, (t + drop) // rt, h // rh, w // rw]``.
 
-The K-VAE decoder doubles frames (dropping the first copy in the first segment) and doubles rows
-and columns. Done in PyTorch as a copy from a broadcast view, that copy runs PyTorch's generic
-strided kernel (one element per thread), a large share of a tile's decode (README, Performance).
+The K-VAE decoder doubles frames (dropping the first copy in the first segment) and repeats the
+first frame in front of the first segment's causal convolutions (its rows and columns are doubled
+by phases, ``interleave_phases`` below; ``rh`` / ``rw`` stay general). Done in PyTorch as a copy
+from a broadcast view, that copy runs PyTorch's generic strided kernel (one element per thread),
+a large share of a tile's decode (README, Performance).
 ``triton_repeat`` copies whole channel rows instead, one program per block of output pixels,
 and can write into a slice of a larger buffer (``out``), such as a causal convolution's input.
 
