@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+import torch
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # No GPU: Triton's interpreter runs the kernels on the CPU (tests/test_triton_kernels.py). Set
+    # before any kernel is defined: ``triton.jit`` reads it when it wraps a function.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""CUDA fast paths against their reference paths (skipped without a GPU).
+"""CUDA fast paths against their reference paths (skipped without a GPU). The Triton kernels on
+their own: ``tests/test_triton_kernels.py``.
 
 Tolerances, on the tiny checkpoint's float video in [-1, 1]:
 - the default attention backend (cuDNN SDPA on Hopper) vs the math backend, fp32 model: max 5e-3
@@ -7,16 +8,9 @@ Tolerances, on the tiny checkpoint's float video in [-1, 1]:
 - the bf16 pipeline (channels-last VAE decode included) vs its fp32 run: PSNR at most 1 dB below
   what diffusers' own ``Kandinsky6SRPipeline`` gets in bf16 vs fp32 (random tiny weights amplify
   bf16 rounding, so the bound is the peer's, not an absolute number);
-- the fused spatial-norm kernel (Triton) vs its PyTorch composition: bf16 allclose (2e-2), and its
-  mean error against the float64 result at most 1.1x the composition's (on an H200 about 7% of
-  values sat one bf16 step from the composition's, with the decode's PSNR against diffusers
-  unchanged: 56.9 dB eager and fused);
 - the channels-last VAE decode on a mid-size K-VAE over three segments vs diffusers' decode: fp32
   max 5e-3 (cuDNN picks other kernels, TF32); bf16 PSNR against diffusers' fp32 decode at most 1 dB
   below diffusers' own bf16 decode;
-- the Triton nearest repeat vs its PyTorch copy, and the Triton bias (+ residual) add vs PyTorch's
-  two adds: bit-exact;
-- the Triton PiFlow step vs diffusers' ``PiflowScheduler.step`` on the GPU: bit-exact;
 - FLUX's fast paths (``families.flux_fast``: tilecast's attention kernel, fused projections,
   optionally compiled blocks) vs diffusers' transformer on one tiny/flux step: fp32 max difference
   at most 5e-3 of the output's scale; bf16 PSNR against diffusers' fp32 at most 1 dB below
@@ -101,36 +95,6 @@ def test_bf16_pipeline_as_close_to_fp32_as_diffusers_bf16():
     peer = _psnr(_diffusers(torch.bfloat16), _diffusers(torch.float32))
     print(f"bf16 vs fp32 PSNR: tilecast {ours:.2f} dB, diffusers {peer:.2f} dB")
     assert ours >= peer - 1.0, (ours, peer)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("channels, rh, rw", [(16, 16, 16), (256, 8, 8), (512, 4, 4), (2048, 1, 1), (24, 2, 4)])
-def test_fused_spatial_norm_matches_pytorch(channels, rh, rw, with_bias):
-    from tilecast.kernels.spatial_norm import reference, triton_fused
-
-    torch.manual_seed(channels)
-    h = torch.randn(2, 3, 4 * rh, 6 * rw, channels, device="cuda", dtype=torch.bfloat16) * 3
-    y = torch.randn(2, 3, 4, 6, channels, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(2, 3, 4, 6, channels, device="cuda", dtype=torch.bfloat16)
-    gamma = (torch.rand(channels, device="cuda") + 0.5).bfloat16()
-    h_bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16) if with_bias else None
-    args = (channels**0.5, gamma, y, b, rh, rw)
-    exact = reference(
-        h.double(),
-        channels**0.5,
-        gamma.double(),
-        y.double(),
-        b.double(),
-        rh,
-        rw,
-        h_bias_C=None if h_bias is None else h_bias.double(),
-    )
-    expected = reference(h, *args, h_bias_C=h_bias).double()
-    got = triton_fused(h, *args, h_bias_C=h_bias).double()
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
-    # As close to the unrounded (float64) result as the PyTorch composition is.
-    ours, pytorch = (got - exact).abs().mean().item(), (expected - exact).abs().mean().item()
-    assert ours <= 1.1 * pytorch, (ours, pytorch)
 
 
 def _mid_vae(dtype):
@@ -270,66 +234,3 @@ def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
     assert sorted(dict(kwargs)["hidden_states"][1][0] for _args, kwargs in forward.graphs) == [1, 2]
     for a, b in zip(plain, graphed):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize(
-    "shape, factors",
-    [((1, 5, 6, 8, 128), (1, 2, 2, 0)), ((2, 4, 3, 5, 24), (2, 1, 1, 1)), ((1, 3, 4, 4, 1024), (3, 2, 1, 2))],
-)
-def test_triton_nearest_repeat_is_the_reference_copy(shape, factors):
-    from tilecast.kernels.upsample import reference, triton_repeat
-
-    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-    expected = reference(x, *factors)
-    assert torch.equal(triton_repeat(x, *factors), expected)
-    out = torch.zeros(shape[0], expected.shape[1] + 2, *expected.shape[2:], device="cuda", dtype=torch.bfloat16)
-    triton_repeat(x, *factors, out=out[:, 2:])  # a slice (contiguous only for batch 1)
-    assert torch.equal(out[:, 2:], expected) and not out[:, :2].any()
-
-
-@pytest.mark.parametrize("channels", [16, 256, 24, 2048])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_triton_bias_add_is_pytorchs_two_adds(channels, with_residual):
-    from tilecast.kernels.channel_bias import reference_, triton_
-
-    torch.manual_seed(channels)
-    y = torch.randn(1, 3, 5, 7, channels, device="cuda", dtype=torch.bfloat16) * 4
-    bias = torch.randn(channels, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn_like(y) if with_residual else None
-    assert torch.equal(triton_(y.clone(), bias, residual), reference_(y.clone(), bias, residual))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(
-    "num_steps, config, shape",
-    [
-        (2, {}, (1, 31, 32, 48, 64)),  # one large K6 SR tile, the released schedule
-        (4, {"shift": 3.0, "n_grid": 6, "num_policy_substeps": 40}, (2, 3, 5, 7, 24)),
-    ],
-)
-def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
-    from diffusers import PiflowScheduler
-
-    from tilecast.kernels import piflow
-    from tilecast.runtime.models.k6sr.stages import piflow_schedule
-
-    scheduler = PiflowScheduler(**config)
-    scheduler.set_timesteps(num_steps, device="cuda")
-    schedule = piflow_schedule(scheduler, num_steps)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    for index, timestep in enumerate(scheduler.timesteps):
-        sample = torch.randn(shape, generator=generator, device="cuda").to(dtype)
-        output = torch.randn((*shape[:-1], shape[-1] * scheduler.n_grid), generator=generator, device="cuda").to(dtype)
-        expected = scheduler.step(output, timestep, sample, return_dict=False)[0]
-        got = piflow.triton_rollout(sample, output, schedule[index])
-        assert torch.equal(got, expected), f"step {index}: max diff {(got.float() - expected.float()).abs().max()}"
-
-
-@pytest.mark.parametrize("shape", [(1, 2, 5, 7, 4 * 256), (2, 3, 2, 2, 4 * 24), (1, 1, 9, 4, 4 * 2048)])
-def test_triton_phase_interleave_is_the_reference(shape):
-    from tilecast.kernels.upsample import phases_reference, triton_phases
-
-    torch.manual_seed(shape[-1])
-    y = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 4
-    bias = torch.randn(shape[-1] // 4, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(triton_phases(y, bias), phases_reference(y, bias))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from diffusers import Kandinsky6SRVAE
@@ -39,6 +41,26 @@ def test_matches_diffusers_decode_float32(latent_frames, height, width):
     assert decoded.shape == reference.shape == (1, 3, 1 + 4 * (latent_frames - 1), 16 * height, 16 * width)
     assert decoded.is_contiguous()
     torch.testing.assert_close(decoded, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (on the CPU: its interpreter)")
+def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
+    """``narrow_convs``: the convolutions with at most 16 output channels (all of the tiny VAE's
+    3x3x3 ones) on ``kernels/narrow_conv.py``, float32 within 1e-5 of diffusers (one small segment:
+    on the CPU the kernel runs in Triton's interpreter, 15 s for this)."""
+    vae = make_vae(seed=3)
+    z = torch.randn(1, vae.config.latent_channels, 2, 1, 1)
+    with torch.no_grad():
+        reference = vae.decode(z, return_dict=False)[0]
+    from tilecast.kernels import narrow_conv
+
+    calls = []
+    run = narrow_conv.triton_conv
+    monkeypatch.setattr(narrow_conv, "triton_conv", lambda *args: calls.append(args[0].shape[-1]) or run(*args))
+    decoder = ChannelsLastDecoder(vae, narrow_convs=True)
+    narrow = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.kernel_size == (3, 3, 3)]
+    torch.testing.assert_close(decoder.decode(z), reference, rtol=0, atol=1e-5)
+    assert len(decoder._narrow) == len(narrow) and len(calls) == len(narrow)  # one segment: each layer once
 
 
 def test_batch_of_tiles_and_reuse():

@@ -1,7 +1,7 @@
 """``tilecast bench``: benchmarks (not tests), each comparing with its peer in the same run.
 
 The commands only parse flags; each benchmark lives in its own module of this package
-(``k6sr``, ``attention``, ``step``, ``batching`` with ``peer``, ``placement``, ``scheduler``), imported when its
+(``k6sr``, ``attention``, ``narrow_conv``, ``step``, ``batching`` with ``peer``, ``placement``, ``scheduler``), imported when its
 command runs, so mounting ``bench_app`` imports no torch. Tables and ``--json-out`` go through
 ``report``.
 """
@@ -129,6 +129,35 @@ def attention(
     )
     print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
     save_json(rows, json_out)
+
+
+@bench_app.command("narrow-conv")
+def narrow_conv(
+    tiling: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--tiling", help="Also time the Triton kernel at this tiling (repeatable): BHxBWkBKwWARPSsSTAGES."
+        ),
+    ] = None,
+    frames: Annotated[
+        Optional[int], typer.Option("--frames", help="Output frames (default: one decoder segment).")
+    ] = None,
+    iters: Annotated[int, typer.Option("--iters")] = 10,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
+) -> None:
+    """The K-VAE decoder's full-resolution convolutions (16 and 3 output channels): cuDNN vs Triton."""
+    from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
+
+    try:  # a ValueError names the bad tiling, or the missing GPU
+        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _print_rows(
+        rows,
+        ["layer", "kernel", "ms", "tflops", "x_cudnn", "psnr_vs_fp32_db", "error"],
+        "K-VAE full-resolution convolutions, one segment of a large tile (bf16)",
+        json_out,
+    )
 
 
 @bench_app.command("step")

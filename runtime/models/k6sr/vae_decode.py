@@ -112,9 +112,16 @@ class ChannelsLastDecoder:
     """Decodes latents with a ``Kandinsky6SRVAE``'s decoder weights (see the module docstring).
 
     ``decode`` takes what ``Kandinsky6SRVAE.decode`` takes (latents already divided by the scaling
-    factor, ``BCTHW``) and returns what it returns (the ``BCTHW`` video tensor)."""
+    factor, ``BCTHW``) and returns what it returns (the ``BCTHW`` video tensor).
 
-    def __init__(self, vae: nn.Module) -> None:
+    ``narrow_convs``: run the causal convolutions with at most ``NARROW_CHANNELS`` output channels
+    (the full-resolution level's) on ``kernels/narrow_conv.py``'s Triton kernel instead of cuDNN
+    (needs Triton: a GPU, or its interpreter on the CPU). Off until it is measured faster on the
+    GPU (``tilecast bench narrow-conv``)."""
+
+    NARROW_CHANNELS = 16
+
+    def __init__(self, vae: nn.Module, *, narrow_convs: bool = False) -> None:
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
@@ -127,6 +134,7 @@ class ChannelsLastDecoder:
             for module in self.decoder.modules()
             if isinstance(module, Kandinsky6SRUpsample)
         }
+        self._narrow = self._pack_narrow_convs() if narrow_convs else {}
 
     def _check_modules(self) -> None:
         for name, module in self.decoder.named_modules():
@@ -139,6 +147,18 @@ class ChannelsLastDecoder:
         for module in self.decoder.modules():
             if isinstance(module, nn.Conv3d) and module.kernel_size != (1, 1, 1):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+
+    def _pack_narrow_convs(self) -> dict:
+        """``id(causal conv) -> PackedWeight`` for the 3x3x3 convolutions with few output channels."""
+        from tilecast.kernels.narrow_conv import default_tiling, pack_weight
+
+        return {
+            id(module): pack_weight(module.conv.weight.detach(), default_tiling(module.conv.in_channels).bk)
+            for module in self.decoder.modules()
+            if isinstance(module, Kandinsky6SRCausalConv3d)
+            and module.conv.out_channels <= self.NARROW_CHANNELS
+            and module.conv.kernel_size == (3, 3, 3)
+        }
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -209,6 +229,10 @@ class ChannelsLastDecoder:
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
+        if id(layer) in self._narrow:
+            from tilecast.kernels.narrow_conv import triton_conv
+
+            return triton_conv(buffer, self._narrow[id(layer)], (layer.height_pad, layer.width_pad))
         return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
 
     def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""``kernels/narrow_conv.py``: the K-VAE's few-output-channel convolutions as a Triton implicit GEMM.
+
+Against ``F.conv3d`` (cuDNN on the GPU): float32 within 1e-5 of the output's scale, on the GPU or
+in Triton's interpreter on the CPU (``tests/conftest.py``); bf16 on the GPU at most 0.5 dB below
+cuDNN's bf16 PSNR against a float32 convolution without TF32. Shapes cover patches cut by the
+frame's edges, runs of ``3 C_in`` values that do not fill a reduction block, and 3, 5 and 16 output
+channels. Bad tilings and inputs are refused naming the problem, the benchmark refuses to run
+without a GPU, and its space-to-depth candidate's coarse kernel computes the fine convolution
+(float64, 1e-12).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tilecast.kernels.narrow_conv import Tiling, default_tiling, pack_weight, reference, triton_conv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def _inputs(in_channels, out_channels, shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(*shape, in_channels, device=DEVICE, generator=gen)
+    weight = torch.randn(out_channels, in_channels, 3, 3, 3, device=DEVICE, generator=gen) / (27 * in_channels) ** 0.5
+    return x.to(dtype), weight.to(dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "in_channels, out_channels, shape, tiling",
+    [
+        (16, 16, (2, 4, 5, 70), None),  # two batches, a patch row cut at 70 columns
+        (256, 16, (1, 3, 9, 13), None),
+        (16, 3, (1, 3, 4, 66), None),
+        (24, 5, (1, 3, 3, 5), "4x16k32w4s2"),  # a run of 72 values: three blocks of 32, the last part padding
+    ],
+)
+def test_narrow_conv_is_conv3d_in_float32(in_channels, out_channels, shape, tiling):
+    x, weight = _inputs(in_channels, out_channels, shape)
+    tiling = Tiling.parse(tiling) if tiling else default_tiling(in_channels)
+    got = triton_conv(x, pack_weight(weight, tiling.bk), (1, 1), tiling)
+    expected = reference(x, weight, (1, 1))
+    assert got.shape == expected.shape == (shape[0], shape[1] - 2, *shape[2:], out_channels)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor cores: a CUDA GPU")
+@pytest.mark.parametrize("in_channels, out_channels", [(256, 16), (16, 16), (16, 3)])
+def test_narrow_conv_in_bf16_as_close_to_float32_as_cudnn(in_channels, out_channels):
+    from tilecast.launcher.bench.report import psnr_db
+
+    x, weight = _inputs(in_channels, out_channels, (1, 6, 40, 96), dtype=torch.bfloat16)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        exact = reference(x.float(), weight.float(), (1, 1))
+    ours = psnr_db(triton_conv(x, pack_weight(weight, default_tiling(in_channels).bk), (1, 1)), exact)
+    cudnn = psnr_db(reference(x, weight.contiguous(memory_format=torch.channels_last_3d), (1, 1)), exact)
+    print(f"narrow conv {in_channels}->{out_channels} bf16 PSNR vs fp32: triton {ours:.2f} dB, cuDNN {cudnn:.2f} dB")
+    assert ours >= cudnn - 0.5
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("2x64", "BHxBWkBKwWARPSsSTAGES"),
+        ("3x64k64w4s3", "bh must be a power of two"),
+        ("1x8k64w4s3", "at least 16 pixels"),
+        ("2x64k8w4s3", "BK at least 16"),
+    ],
+)
+def test_bad_tilings_are_refused_naming_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        Tiling.parse(text)
+    assert str(Tiling.parse("2x64k64w4s3")) == "2x64k64w4s3"
+
+
+def test_bad_inputs_are_refused_naming_the_problem():
+    x, weight = _inputs(16, 16, (1, 3, 4, 8))
+    packed = pack_weight(weight, 16)
+    with pytest.raises(ValueError, match="the input has 24 channels, the weight takes 16"):
+        triton_conv(torch.zeros(1, 3, 4, 8, 24, device=DEVICE), packed, (1, 1))
+    with pytest.raises(ValueError, match="packed for BK 16, the tiling has 64"):
+        triton_conv(x, packed, (1, 1), Tiling(bk=64))
+    with pytest.raises(ValueError, match="channel rows must be contiguous"):
+        triton_conv(x.transpose(3, 2).contiguous().transpose(3, 2), packed, (1, 1))
+    with pytest.raises(ValueError, match="only 'same' spatial padding"):
+        triton_conv(x, packed, (0, 0))
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal where no GPU is")
+def test_bench_refuses_without_a_gpu_after_naming_a_bad_tiling():
+    from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
+
+    with pytest.raises(ValueError, match="BHxBWkBKwWARPSsSTAGES"):
+        bench_narrow_conv(["fast"])
+    with pytest.raises(ValueError, match="narrow-conv needs a CUDA GPU"):
+        bench_narrow_conv(["2x64k64w4s3"])
+
+
+def test_space_to_depth_kernel_convolves_the_coarse_grid_as_the_fine_one():
+    """``bench narrow-conv``'s cudnn-s2d candidate computes the fine convolution (float64)."""
+    from tilecast.launcher.bench.narrow_conv import depth_to_space, space_to_depth, space_to_depth_weight
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 6, 8, 5, generator=gen, dtype=torch.float64)
+    weight = torch.randn(7, 5, 3, 3, 3, generator=gen, dtype=torch.float64)
+    fine = reference(x, weight, (1, 1))
+    coarse = reference(space_to_depth(x), space_to_depth_weight(weight), (1, 1))
+    torch.testing.assert_close(depth_to_space(coarse), fine, rtol=1e-12, atol=1e-12)
+    assert torch.equal(depth_to_space(space_to_depth(x)), x)
