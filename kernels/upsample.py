@@ -1,15 +1,12 @@
-"""Nearest upsampling of a channels-last video by whole factors: ``out[b, t, h, w] = x[b, (t + drop) // rt, h // rh, w // rw]``.
+"""Nearest frame repeats of a channels-last video, and the interleave of an upsampler's phases.
 
-The K-VAE decoder doubles frames (dropping the first copy in the first segment) and repeats the
-first frame in front of the first segment's causal convolutions (its rows and columns are doubled
-by phases, ``interleave_phases`` below; ``rh`` / ``rw`` stay general). Done in PyTorch as a copy
-from a broadcast view, that copy runs PyTorch's generic strided kernel (one element per thread),
-a large share of a tile's decode (README, Performance).
-``triton_repeat`` copies whole channel rows instead, one program per block of output pixels,
+``repeat_frames``: ``out[b, t] = x[b, (t + drop) // rt]``. The K-VAE decoder doubles frames
+(dropping the first copy in the first segment) and repeats the first frame in front of the first
+segment's causal convolutions. Done in PyTorch as a copy from a broadcast view, that copy runs
+PyTorch's generic strided kernel (one element per thread), a large share of a tile's decode
+(README, Performance). ``triton_repeat`` copies whole frames in blocks of channel rows instead,
 and can write into a slice of a larger buffer (``out``), such as a causal convolution's input.
-
-``repeat_nearest`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
-Both are exact copies: their outputs are equal, bit for bit.
+Triton on CUDA when it is importable, else ``reference``; both are exact copies, equal bit for bit.
 
 ``interleave_phases`` is the other half of a 2x spatial upsampling computed by phases (the K-VAE's
 ``PhasedUpsample``): a 2x2 convolution gives, for every source pixel, the four output pixels it
@@ -28,21 +25,19 @@ import torch
 from tilecast.kernels.spatial_norm import row_tiling, triton_available
 
 
-def output_shape(x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int) -> tuple[int, ...]:
+def output_shape(x_BTHWC: torch.Tensor, rt: int, drop: int) -> tuple[int, ...]:
     batch, frames, height, width, channels = x_BTHWC.shape
-    if not 0 <= drop < rt or min(rt, rh, rw) < 1:
-        raise ValueError(f"repeat factors must be >= 1 and 0 <= drop < rt, got rt={rt} rh={rh} rw={rw} drop={drop}")
-    return batch, frames * rt - drop, height * rh, width * rw, channels
+    if not 0 <= drop < rt:
+        raise ValueError(f"frame repeats need rt >= 1 and 0 <= drop < rt, got rt={rt} drop={drop}")
+    return batch, frames * rt - drop, height, width, channels
 
 
-def reference(
-    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def reference(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """The copy from a broadcast view, in PyTorch."""
     batch, frames, height, width, channels = x_BTHWC.shape
-    shape = output_shape(x_BTHWC, rt, rh, rw, drop)
-    view = x_BTHWC[:, :, None, :, None, :, None, :].expand(batch, frames, rt, height, rh, width, rw, channels)
-    view = view.reshape(batch, frames * rt, height * rh, width * rw, channels)[:, drop:]
+    shape = output_shape(x_BTHWC, rt, drop)
+    view = x_BTHWC[:, :, None].expand(batch, frames, rt, height, width, channels)
+    view = view.reshape(batch, frames * rt, height, width, channels)[:, drop:]
     if out is None:
         return view.contiguous()
     if tuple(out.shape) != shape:
@@ -62,63 +57,48 @@ def _triton_kernel():
         num_rows,
         channels,
         frames,
-        height,
-        width,
+        frame_rows,
         out_frames,
-        out_height,
-        out_width,
         rt,
-        rh,
-        rw,
         drop,
         BLOCK_C: tl.constexpr,
         ROWS: tl.constexpr,
     ):
+        # Output channel row ``r`` is pixel ``r % frame_rows`` of output frame ``r // frame_rows``.
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows < num_rows)[:, None] & (cols < channels)[None, :]
-        col = rows % out_width
-        rest = rows // out_width
-        row = rest % out_height
-        rest = rest // out_height
-        frame = rest % out_frames
-        batch = rest // out_frames
-        source = ((batch * frames + (frame + drop) // rt) * height + row // rh) * width + col // rw
+        pixel = rows % frame_rows
+        frame = rows // frame_rows
+        batch = frame // out_frames
+        source = (batch * frames + (frame % out_frames + drop) // rt) * frame_rows + pixel
         values = tl.load(x_ptr + source[:, None] * channels + cols[None, :], mask=mask)
         tl.store(out_ptr + rows[:, None] * channels + cols[None, :], values, mask=mask)
 
     return kernel
 
 
-def triton_repeat(
-    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def triton_repeat(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """``reference`` in one Triton kernel (CUDA tensors); straight into ``out`` when it is contiguous."""
-    shape = output_shape(x_BTHWC, rt, rh, rw, drop)
+    shape = output_shape(x_BTHWC, rt, drop)
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
     if out is not None and not out.is_contiguous():
-        return out.copy_(triton_repeat(x_BTHWC, rt, rh, rw, drop))
-    kernel = _triton_kernel()
+        return out.copy_(triton_repeat(x_BTHWC, rt, drop))
     x_BTHWC = x_BTHWC.contiguous()
     out = x_BTHWC.new_empty(shape) if out is None else out
     _, frames, height, width, channels = x_BTHWC.shape
     num_rows = out.numel() // channels
     grid, block_c, rows = row_tiling(num_rows, channels)
-    kernel[grid](
+    _triton_kernel()[grid](
         x_BTHWC,
         out,
         num_rows,
         channels,
         frames,
-        height,
-        width,
+        height * width,
         shape[1],
-        shape[2],
-        shape[3],
         rt,
-        rh,
-        rw,
         drop,
         BLOCK_C=block_c,
         ROWS=rows,
@@ -127,12 +107,10 @@ def triton_repeat(
     return out
 
 
-def repeat_nearest(
-    x_BTHWC: torch.Tensor, rt: int, rh: int, rw: int, drop: int = 0, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def repeat_frames(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_repeat`` for CUDA tensors when Triton is importable, else ``reference``."""
     kernel = triton_repeat if x_BTHWC.is_cuda and triton_available() else reference
-    return kernel(x_BTHWC, rt, rh, rw, drop, out=out)
+    return kernel(x_BTHWC, rt, drop, out=out)
 
 
 def phases_shape(y_BTHWC: torch.Tensor) -> tuple[int, ...]:

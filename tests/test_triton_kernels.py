@@ -4,11 +4,11 @@ Triton is not installed.
 
 The interpreter runs each program in NumPy: the indexing, masks, tiling and float32 arithmetic are
 the kernel's, but it converts float32 to bfloat16 by truncation where the GPU rounds to nearest.
-So the kernel that only moves data (the nearest repeat) is checked in bf16 everywhere, the ones
+So the kernel that only moves data (the frame repeat) is checked in bf16 everywhere, the ones
 that compute are checked in float32 everywhere and in bf16 on the GPU.
 
 Tolerances:
-- nearest repeat, phase interleave, bias (+ residual) add, PiFlow step: bit-exact to PyTorch;
+- frame repeat, phase interleave, bias (+ residual) add, PiFlow step: bit-exact to PyTorch;
 - spatial norm + modulation + SiLU: float32 within 1e-5 of the PyTorch composition; bf16 allclose
   (2e-2), and its mean error against the float64 result at most 1.1x the composition's (on an H200
   about 7% of bf16 values sat one bf16 step from the composition's, the decode's PSNR against
@@ -32,17 +32,16 @@ ARITHMETIC_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=[pytest.m
 
 
 @pytest.mark.parametrize(
-    "shape, factors",
-    [((1, 5, 6, 8, 128), (1, 2, 2, 0)), ((2, 4, 3, 5, 24), (2, 1, 1, 1)), ((1, 3, 4, 4, 1024), (3, 2, 1, 2))],
+    "shape, rt, drop", [((1, 5, 6, 8, 128), 2, 1), ((2, 4, 3, 5, 24), 2, 0), ((1, 1, 4, 4, 1024), 3, 0)]
 )
-def test_triton_nearest_repeat_is_the_reference_copy(shape, factors):
+def test_triton_frame_repeat_is_the_reference_copy(shape, rt, drop):
     from tilecast.kernels.upsample import reference, triton_repeat
 
     x = torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16)
-    expected = reference(x, *factors)
-    assert torch.equal(triton_repeat(x, *factors), expected)
+    expected = reference(x, rt, drop)
+    assert torch.equal(triton_repeat(x, rt, drop), expected)
     out = torch.zeros(shape[0], expected.shape[1] + 2, *expected.shape[2:], device=DEVICE, dtype=torch.bfloat16)
-    triton_repeat(x, *factors, out=out[:, 2:])  # a slice (contiguous only for batch 1)
+    triton_repeat(x, rt, drop, out=out[:, 2:])  # a slice (contiguous only for batch 1)
     assert torch.equal(out[:, 2:], expected) and not out[:, :2].any()
 
 

@@ -163,27 +163,27 @@ def test_spatial_norm_matches_diffusers_for_any_resize(first, frames, height, wi
     torch.testing.assert_close(got.permute(0, 4, 1, 2, 3), expected, rtol=0, atol=1e-5)
 
 
-# ---- nearest repeat (kernels/upsample.py) -------------------------------------------------------
-def test_nearest_repeat_reference_is_repeat_interleave_and_writes_into_slices():
-    from tilecast.kernels.upsample import reference, repeat_nearest
+# ---- frame repeats (kernels/upsample.py) --------------------------------------------------------
+def test_frame_repeat_reference_is_repeat_interleave_and_writes_into_slices():
+    from tilecast.kernels.upsample import reference, repeat_frames
 
     x = torch.randn(2, 3, 4, 5, 6)
-    expected = x.repeat_interleave(2, 1).repeat_interleave(3, 2).repeat_interleave(2, 3)
-    assert torch.equal(reference(x, 2, 3, 2), expected)
-    assert torch.equal(repeat_nearest(x, 2, 3, 2, drop=1), expected[:, 1:])
+    expected = x.repeat_interleave(3, 1)
+    assert torch.equal(reference(x, 3), expected)
+    assert torch.equal(repeat_frames(x, 3, drop=2), expected[:, 2:])
     buffer = torch.zeros(2, 8, 4, 5, 6)
-    repeat_nearest(x, 2, 1, 1, drop=1, out=buffer[:, 3:])  # into a causal convolution's body
+    repeat_frames(x, 2, drop=1, out=buffer[:, 3:])  # into a causal convolution's body
     assert torch.equal(buffer[:, 3:], x.repeat_interleave(2, 1)[:, 1:]) and not buffer[:, :3].any()
 
 
-@pytest.mark.parametrize("factors, message", [((0, 1, 1, 0), "factors must be >= 1"), ((2, 1, 1, 2), "drop < rt")])
-def test_nearest_repeat_refuses_bad_factors(factors, message):
-    from tilecast.kernels.upsample import repeat_nearest
+@pytest.mark.parametrize("factors, message", [((0, 0), "rt >= 1"), ((2, 2), "drop < rt")])
+def test_frame_repeat_refuses_bad_factors(factors, message):
+    from tilecast.kernels.upsample import repeat_frames
 
     with pytest.raises(ValueError, match=message):
-        repeat_nearest(torch.zeros(1, 2, 2, 2, 4), *factors)
+        repeat_frames(torch.zeros(1, 2, 2, 2, 4), *factors)
     with pytest.raises(ValueError, match="expected"):
-        repeat_nearest(torch.zeros(1, 2, 2, 2, 4), 1, 2, 2, out=torch.zeros(1, 2, 4, 2, 4))
+        repeat_frames(torch.zeros(1, 2, 2, 2, 4), 2, out=torch.zeros(1, 2, 2, 2, 4))
 
 
 def test_bias_add_reference_rounds_like_two_adds_and_the_norm_takes_a_bias():

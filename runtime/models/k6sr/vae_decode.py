@@ -25,7 +25,7 @@ each make their own pass over memory.
 - **no bias passes**: 3-D convolutions run without bias; it is added in a pass made anyway (the
   next spatial norm, or the residual add, ``kernels/channel_bias.py``). PyTorch would add it in a
   broadcast pass of its own, 10% of a tile's decode on channels-last video;
-- **nearest repeats** (the upsamplers' frame doubling, the first segment's repeated first frame)
+- **frame repeats** (the upsamplers' frame doubling, the first segment's repeated first frame)
   copy whole channel rows in Triton (``kernels/upsample.py``), not PyTorch's generic strided copy;
 - **spatial upsampling by phases** (``PhasedUpsample``): diffusers doubles every pixel, convolves the
   doubled grid 1x3x3, adds the doubled input and applies a 1x1 linear. Each of the four output
@@ -64,7 +64,7 @@ from torch import nn
 
 from tilecast.kernels.channel_bias import add_bias_
 from tilecast.kernels.spatial_norm import norm_modulate_silu
-from tilecast.kernels.upsample import interleave_phases, repeat_nearest
+from tilecast.kernels.upsample import interleave_phases, repeat_frames
 from tilecast.kernels.upsample import output_shape as upsample_shape
 
 
@@ -225,7 +225,7 @@ class ChannelsLastDecoder:
         pad = layer.time_pad
         if pad:
             if first:  # the first frame, repeated
-                repeat_nearest(buffer[:, pad : pad + 1], pad, 1, 1, out=buffer[:, :pad])
+                repeat_frames(buffer[:, pad : pad + 1], pad, out=buffer[:, :pad])
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
@@ -314,9 +314,9 @@ class ChannelsLastDecoder:
     def _upsample(self, upsample: Kandinsky6SRUpsample, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
         if upsample.compress_time:  # T + 1 frames -> 2T + 1: repeat every frame, the first segment drops one copy
             drop = 1 if first else 0
-            shape = upsample_shape(x_BTHWC, 2, 1, 1, drop)
+            shape = upsample_shape(x_BTHWC, 2, drop)
             buffer, body = self._causal_input(upsample.temporal_conv, x_BTHWC, shape)
-            repeat_nearest(x_BTHWC, 2, 1, 1, drop, out=body)
+            repeat_frames(x_BTHWC, 2, drop, out=body)
             x_BTHWC = self._causal_conv_buffer(upsample.temporal_conv, buffer, first)
             x_BTHWC = add_bias_(x_BTHWC, upsample.temporal_conv.conv.bias, body)
         return self._phased[id(upsample)](x_BTHWC)
