@@ -1,7 +1,8 @@
 """``kernels/narrow_conv.py``: the K-VAE's few-output-channel convolutions as a Triton implicit GEMM.
 
 Against ``F.conv3d`` (cuDNN on the GPU): float32 within 1e-5 of the output's scale, on the GPU or
-in Triton's interpreter on the CPU (``tests/conftest.py``); bf16 on the GPU at most 0.5 dB below
+in Triton's interpreter on the CPU (``tests/conftest.py``; the interpreter's bf16 dot is wrong:
+``tests/test_triton_kernels.py``); bf16 on the GPU at most 0.5 dB below
 cuDNN's bf16 PSNR against a float32 convolution without TF32. Shapes cover patches cut by the
 frame's edges, runs of ``3 C_in`` values that do not fill a reduction block, and 3, 5 and 16 output
 channels. Bad tilings and inputs are refused naming the problem, the benchmark refuses to run

@@ -143,13 +143,17 @@ def narrow_conv(
         Optional[int], typer.Option("--frames", help="Output frames (default: one decoder segment).")
     ] = None,
     iters: Annotated[int, typer.Option("--iters")] = 10,
+    decode: Annotated[
+        bool,
+        typer.Option("--decode", help="Also time one large tile's whole decode with cuDNN and with the Triton kernel."),
+    ] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """The K-VAE decoder's full-resolution convolutions (16 and 3 output channels): cuDNN vs Triton."""
     from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
 
     try:  # a ValueError names the bad tiling, or the missing GPU
-        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters)
+        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters, decode=decode)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     _print_rows(

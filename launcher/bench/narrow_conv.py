@@ -7,6 +7,10 @@ Each row: GPU milliseconds (median of CUDA-event timings), TFLOP/s (2 per multip
 real channels), the speed against cuDNN and the PSNR of each side against a float32 cuDNN
 convolution without TF32 (so rounding differences show as they are).
 
+``decode=True`` adds the decision itself: one large tile's whole decode (64 x 31 x 32 x 48 latents,
+the released K-VAE with seeded random weights) with ``ChannelsLastDecoder`` as it runs today and
+with ``narrow_convs=True``, each in bf16 against the float32 decode (cuDNN without TF32).
+
 A third candidate, ``cudnn-s2d``: the same convolution on the level computed space-to-depth, every
 2x2 block of pixels one pixel with four times the channels (``space_to_depth``). A 3x3 kernel on the
 fine grid is a 3x3 kernel on the coarse one (``space_to_depth_weight``; three quarters of its taps
@@ -17,6 +21,7 @@ it makes anyway (the upsampler's phase interleave in, the output's permute out).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -32,7 +37,13 @@ def _time_ms(call, iters: int) -> float:
 
 
 def bench_narrow_conv(
-    tilings: list[str] | None = None, *, frames: int | None = None, height: int = 512, width: int = 768, iters: int = 10
+    tilings: list[str] | None = None,
+    *,
+    frames: int | None = None,
+    height: int = 512,
+    width: int = 768,
+    iters: int = 10,
+    decode: bool = False,
 ) -> list[dict]:
     """One row per (layer, implementation): cuDNN, then the Triton kernel at its default tiling and
     at each of ``tilings`` (``Tiling.parse`` form; a bad one is named before any GPU is needed)."""
@@ -48,6 +59,28 @@ def bench_narrow_conv(
     rows = []
     for layer, channels in LAYERS.items():
         rows += _layer_rows(layer, *channels, parsed, (frames, height, width), iters, gen)
+    return rows + (_decode_rows(iters=max(1, iters // 5)) if decode else [])
+
+
+def _decode_rows(iters: int) -> list[dict]:
+    from diffusers import Kandinsky6SRVAE
+
+    from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        vae = Kandinsky6SRVAE().eval().requires_grad_(False)
+        z = torch.randn(1, vae.config.latent_channels, 31, 32, 48)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        exact = ChannelsLastDecoder(vae).decode(z)
+    vae, z = vae.to(torch.bfloat16), z.bfloat16()
+    rows = []
+    for name, narrow in (("cudnn", False), ("narrow_convs", True)):
+        decoder = ChannelsLastDecoder(vae, narrow_convs=narrow)
+        timing = time_repeated(functools.partial(decoder.decode, z), repeats=iters, warmup=1, device="cuda")
+        ms = timing.median_s * 1e3
+        cudnn_ms = rows[0]["ms"] if rows else ms
+        rows.append({**_row("large tile decode", name, ms, cudnn_ms, 0, timing.result, exact), "tflops": None})
     return rows
 
 
