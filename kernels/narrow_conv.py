@@ -12,7 +12,8 @@ output pixels of one frame, all output channels (padded to 16, tensor cores' sma
 as a GEMM over the kernel's taps: for each time tap ``kt`` and row tap ``kh`` the ``KW`` column taps
 of a pixel read ``KW * C_in`` consecutive input values (``w - pw`` .. ``w - pw + KW - 1``, whole
 channel rows), so the reduction runs along that contiguous run in blocks of ``BK``; pixels outside
-the frame read zeros. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
+the frame read zeros. When ``BK`` divides ``C_in`` (the decoder's 16 and 256) each block lies in one
+column tap and needs one mask per pixel; otherwise the mask is computed per value. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
 ``KP`` the run padded to ``BK`` and ``NP`` the output channels padded, with zeros. Accumulation is
 float32, the output in the input's dtype.
 
@@ -110,7 +111,6 @@ def _triton_kernel():
         y_ptr,
         height,
         width,
-        in_channels,
         out_channels,
         stride_xb,
         stride_xt,
@@ -118,9 +118,10 @@ def _triton_kernel():
         stride_yb,
         stride_yt,
         stride_yh,
+        CIN: tl.constexpr,
         KT: tl.constexpr,
         KH: tl.constexpr,
-        RUN: tl.constexpr,
+        KW: tl.constexpr,
         KP: tl.constexpr,
         NP: tl.constexpr,
         PH: tl.constexpr,
@@ -144,14 +145,25 @@ def _triton_kernel():
             for kh in range(KH):
                 row = h + (kh - PH)
                 row_ok = (row >= 0) & (row < height)
-                start = frame + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * in_channels
-                for k0 in range(0, KP, BK):
-                    k = k0 + tl.arange(0, BK)
-                    column = (w - PW)[:, None] + (k // in_channels)[None, :]
-                    ok = row_ok[:, None] & (k < RUN)[None, :] & (column >= 0) & (column < width)
-                    a = tl.load(start[:, None] + k[None, :], mask=ok, other=0.0)
-                    taps = tl.load(w_ptr + ((kt * KH + kh) * KP + k)[:, None] * NP + n[None, :])
-                    acc = tl.dot(a, taps, acc, input_precision=PRECISION)
+                start = frame + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * CIN  # column tap 0
+                taps_ptr = w_ptr + (kt * KH + kh) * KP * NP
+                if CIN % BK == 0:  # every block lies in one column tap: one mask per pixel
+                    for kw in range(KW):
+                        column = w + (kw - PW)
+                        ok = row_ok & (column >= 0) & (column < width)
+                        for c0 in range(0, CIN, BK):
+                            k = kw * CIN + c0 + tl.arange(0, BK)
+                            a = tl.load(start[:, None] + k[None, :], mask=ok[:, None], other=0.0)
+                            taps = tl.load(taps_ptr + k[:, None] * NP + n[None, :])
+                            acc = tl.dot(a, taps, acc, input_precision=PRECISION)
+                else:  # blocks straddle column taps (few or odd channels): a mask per value
+                    for k0 in range(0, KP, BK):
+                        k = k0 + tl.arange(0, BK)
+                        column = (w - PW)[:, None] + (k // CIN)[None, :]
+                        ok = row_ok[:, None] & (k < KW * CIN)[None, :] & (column >= 0) & (column < width)
+                        a = tl.load(start[:, None] + k[None, :], mask=ok, other=0.0)
+                        taps = tl.load(taps_ptr + k[:, None] * NP + n[None, :])
+                        acc = tl.dot(a, taps, acc, input_precision=PRECISION)
         out = y_ptr + b * stride_yb + t * stride_yt + h.to(tl.int64)[:, None] * stride_yh
         out += w.to(tl.int64)[:, None] * out_channels + n[None, :]
         mask = ((h < height) & (w < width))[:, None] & (n < out_channels)[None, :]
@@ -191,7 +203,6 @@ def triton_conv(
         out,
         height,
         width,
-        in_channels,
         weight.out_channels,
         x_BTHWC.stride(0),
         x_BTHWC.stride(1),
@@ -199,9 +210,10 @@ def triton_conv(
         out.stride(0),
         out.stride(1),
         out.stride(2),
+        CIN=in_channels,
         KT=kt,
         KH=kh,
-        RUN=kw * in_channels,
+        KW=kw,
         KP=weight.packed.shape[2],
         NP=weight.packed.shape[3],
         PH=ph,

@@ -38,7 +38,7 @@ def _inputs(in_channels, out_channels, shape, dtype=torch.float32, seed=0):
         (16, 16, (2, 4, 5, 70), None),  # two batches, a patch row cut at 70 columns
         (256, 16, (1, 3, 9, 13), None),
         (16, 3, (1, 3, 4, 66), None),
-        (24, 5, (1, 3, 3, 5), "4x16k32w4s2"),  # a run of 72 values: three blocks of 32, the last part padding
+        (24, 5, (1, 3, 3, 5), "4x16k32w4s2"),  # blocks straddle taps: 72 values in three blocks of 32, padded
     ],
 )
 def test_narrow_conv_is_conv3d_in_float32(in_channels, out_channels, shape, tiling):
