@@ -13,7 +13,8 @@ as a GEMM over the kernel's taps: for each time tap ``kt`` and row tap ``kh`` th
 of a pixel read ``KW * C_in`` consecutive input values (``w - pw`` .. ``w - pw + KW - 1``, whole
 channel rows), so the reduction runs along that contiguous run in blocks of ``BK``; pixels outside
 the frame read zeros. When ``BK`` divides ``C_in`` (the decoder's 16 and 256) each block lies in one
-column tap and needs one mask per pixel; otherwise the mask is computed per value. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
+column tap and needs one mask per pixel, and all ``27 C_in / BK`` steps run as one flat loop that
+Triton can pipeline; otherwise the mask is computed per value. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
 ``KP`` the run padded to ``BK`` and ``NP`` the output channels padded, with zeros. Accumulation is
 float32, the output in the input's dtype.
 
@@ -140,29 +141,35 @@ def _triton_kernel():
         w = (patch % tiles_w) * BW + pixels % BW
         n = tl.arange(0, NP)
         acc = tl.zeros([BH * BW, NP], dtype=tl.float32)
-        for kt in range(KT):
-            frame = x_ptr + b * stride_xb + (t + kt) * stride_xt
-            for kh in range(KH):
-                row = h + (kh - PH)
-                row_ok = (row >= 0) & (row < height)
-                start = frame + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * CIN  # column tap 0
-                taps_ptr = w_ptr + (kt * KH + kh) * KP * NP
-                if CIN % BK == 0:  # every block lies in one column tap: one mask per pixel
-                    for kw in range(KW):
-                        column = w + (kw - PW)
-                        ok = row_ok & (column >= 0) & (column < width)
-                        for c0 in range(0, CIN, BK):
-                            k = kw * CIN + c0 + tl.arange(0, BK)
-                            a = tl.load(start[:, None] + k[None, :], mask=ok[:, None], other=0.0)
-                            taps = tl.load(taps_ptr + k[:, None] * NP + n[None, :])
-                            acc = tl.dot(a, taps, acc, input_precision=PRECISION)
-                else:  # blocks straddle column taps (few or odd channels): a mask per value
+        frame = x_ptr + b * stride_xb + t * stride_xt  # time tap 0
+        if CIN % BK == 0:
+            # Every block lies in one column tap: one mask per pixel. One flat loop over (tap, block),
+            # so Triton pipelines the loads of the next steps under the current product.
+            c = tl.arange(0, BK)
+            for step in range(KT * KH * KW * (CIN // BK)):
+                c0 = (step % (CIN // BK)) * BK
+                tap = step // (CIN // BK)  # (kt * KH + kh) * KW + kw
+                row = h + ((tap // KW) % KH - PH)
+                column = w + (tap % KW - PW)
+                ok = (row >= 0) & (row < height) & (column >= 0) & (column < width)
+                pixel = (
+                    frame + (tap // (KW * KH)) * stride_xt + row.to(tl.int64) * stride_xh + column.to(tl.int64) * CIN
+                )
+                a = tl.load(pixel[:, None] + (c0 + c)[None, :], mask=ok[:, None], other=0.0)
+                taps = tl.load(w_ptr + (tap * CIN + c0 + c)[:, None] * NP + n[None, :])  # KP == KW * CIN here
+                acc = tl.dot(a, taps, acc, input_precision=PRECISION)
+        else:  # blocks straddle column taps (few or odd channels): a mask per value
+            for kt in range(KT):
+                for kh in range(KH):
+                    row = h + (kh - PH)
+                    row_ok = (row >= 0) & (row < height)
+                    start = frame + kt * stride_xt + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * CIN
                     for k0 in range(0, KP, BK):
                         k = k0 + tl.arange(0, BK)
                         column = (w - PW)[:, None] + (k // CIN)[None, :]
                         ok = row_ok[:, None] & (k < KW * CIN)[None, :] & (column >= 0) & (column < width)
                         a = tl.load(start[:, None] + k[None, :], mask=ok, other=0.0)
-                        taps = tl.load(taps_ptr + k[:, None] * NP + n[None, :])
+                        taps = tl.load(w_ptr + ((kt * KH + kh) * KP + k)[:, None] * NP + n[None, :])
                         acc = tl.dot(a, taps, acc, input_precision=PRECISION)
         out = y_ptr + b * stride_yb + t * stride_yt + h.to(tl.int64)[:, None] * stride_yh
         out += w.to(tl.int64)[:, None] * out_channels + n[None, :]
