@@ -82,9 +82,14 @@ def test_flux_honours_backend_and_compile_and_refuses_the_rest():
         FluxT2IPipeline.check_settings(config, "tiny/flux")
 
 
-def test_bench_step_times_both_sides_of_the_same_model(tiny_cache):
-    rows = flux_step_bench(width=32, height=48, batch_sizes=[1, 3], attention_backend="sdpa_math", iters=2)
+def test_bench_step_times_both_sides_of_the_same_model(tiny_cache, tmp_path):
+    rows = flux_step_bench(
+        width=32, height=48, batch_sizes=[1, 3], attention_backend="sdpa_math", iters=2, profile_dir=tmp_path
+    )
     assert [row["batch"] for row in rows] == [1, 3]
+    for batch in (1, 3):  # --profile: one tilecast step's operators, heaviest first
+        table = (tmp_path / f"step_b{batch}.txt").read_text()
+        assert "Self CPU" in table and "aten::" in table
     for row in rows:
         assert row["diffusers_ms"] > 0 and row["tilecast_ms"] > 0 and row["tflop"] > 0
         assert row["ratio"] == pytest.approx(row["tilecast_ms"] / row["diffusers_ms"])

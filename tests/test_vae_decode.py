@@ -257,3 +257,16 @@ def test_phased_decode_does_fewer_flops_than_diffusers():
         counts.append(counter.get_total_flops())
     diffusers_flops, phased_flops = counts
     assert 0.85 * diffusers_flops < phased_flops < 0.9 * diffusers_flops
+
+
+def test_a_profile_names_every_decoder_level(tmp_path):
+    """``bench k6sr --profile`` tables show the decode per level (named ranges of each segment)."""
+    from tilecast.launcher.bench.report import profile_call
+
+    vae = make_vae(seed=4)
+    decoder = ChannelsLastDecoder(vae)
+    z = torch.randn(1, vae.config.latent_channels, 2, 1, 1)
+    table = profile_call(lambda: decoder.decode(z), tmp_path / "decode.txt", device="cpu").read_text()
+    levels = [f"k-vae: level {level} (" for level in range(len(vae.decoder.up))]
+    assert all(name in table for name in ["k-vae: conv_in + mid", *levels, "k-vae: norm_out + conv_out"]), table
+    assert "k-vae: level 1 upsample" in table and "aten::" in table

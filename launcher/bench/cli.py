@@ -53,6 +53,10 @@ def k6sr(
             "its rows carry nabla_density, the kept fraction of blocks).",
         ),
     ] = None,
+    profile: Annotated[
+        Optional[Path],
+        typer.Option("--profile", help="Also profile one tilecast request per workload; tables into this folder."),
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Write the rows as JSON.")] = None,
 ) -> None:
     """Released-size Kandinsky 6 SR (random weights): tilecast vs diffusers' pipeline, per stage."""
@@ -68,6 +72,7 @@ def k6sr(
             repeats=repeats,
             compile_blocks=compile_blocks,
             attention_backend=attention_backend,
+            profile_dir=profile,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -190,6 +195,10 @@ def step(
         bool, typer.Option("--cuda-graphs", help="Replay tilecast's forward as a CUDA graph (captured in the warm-up).")
     ] = False,
     iters: Annotated[int, typer.Option("--iters")] = 10,
+    profile: Annotated[
+        Optional[Path],
+        typer.Option("--profile", help="Also profile one tilecast step per batch size; tables into this folder."),
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """One FLUX denoising step: diffusers' eager transformer vs tilecast's fast paths, same model, one run."""
@@ -211,6 +220,7 @@ def step(
             quantize=quantize,
             cuda_graphs=cuda_graphs,
             iters=iters,
+            profile_dir=profile,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -34,13 +34,14 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tilecast.launcher.bench.report import psnr_db, ratio, synchronize, time_repeated
+from tilecast.launcher.bench.report import profile_call, psnr_db, ratio, synchronize, time_repeated
 
 logger = logging.getLogger(__name__)
 
@@ -319,13 +320,16 @@ def bench_k6sr(
     seed: int = 42,
     compile_blocks: bool = False,
     attention_backend: str | None = None,
+    profile_dir: Path | None = None,
 ) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
 
     diffusers runs every workload first, then tilecast installs its fast paths (its attention on
     ``attention_backend``, ``None`` for the fastest dense kernel or ``"nabla"``; its channels-last VAE
     decode, which makes the decoder's weights channels-last in place; with ``compile_blocks`` the
-    compiled DiT blocks) and runs them again."""
+    compiled DiT blocks) and runs them again. With ``profile_dir``, one more tilecast request per
+    workload runs under the profiler after its timing (``k6sr_<workload>.txt``: kernels, and the
+    K-VAE decoder's levels as named ranges)."""
     from tilecast.runtime.models.k6sr.attention import install_dense_attention
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
@@ -367,6 +371,9 @@ def bench_k6sr(
                 repeats,
                 transformer=parts.transformer,
             )
+            if profile_dir is not None:
+                request = functools.partial(run_tilecast, parts, frames[name], seed)
+                profile_call(request, Path(profile_dir) / f"k6sr_{name}.txt", device=device)
             torch.cuda.empty_cache()
     finally:
         timer.close()

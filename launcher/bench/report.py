@@ -8,7 +8,8 @@
 - Peer comparison: ``ratio`` (tilecast / peer, NaN when the peer took no time) and ``psnr_db`` /
   ``max_rel_diff`` of tilecast's output against the peer's.
 - Report: ``print_table`` prints rows as one table (cells formatted by ``fmt``) and ``save_json``
-  writes the rows when ``--json-out`` asks.
+  writes the rows when ``--json-out`` asks; ``profile_call`` writes one call's profiler table
+  (``--profile``).
 
 Imports no torch at module import time (``tilecast --help`` mounts the bench commands); the
 timing functions import it when they run.
@@ -143,6 +144,25 @@ def time_repeated(
         result = call()
     synchronize(device)
     return Timing(warmup_s=warmup_s, total_s=time.perf_counter() - began, calls_s=(), num_calls=repeats, result=result)
+
+
+def profile_call(call: Callable[[], Any], path: Path, *, device: "torch.device | str", row_limit: int = 60) -> Path:
+    """Run ``call`` once under ``torch.profiler`` and write its operators, kernels and named ranges
+    (``record_function``, e.g. the K-VAE decoder's levels) to ``path`` as a table, sorted by total
+    device time on a CUDA device, by CPU time elsewhere. Returns ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        call()
+        synchronize(device)
+    sort_by = "device_time_total" if on_cuda else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=90))
+    return path
 
 
 def ratio(numerator: float, denominator: float) -> float:

@@ -16,12 +16,14 @@ reference's largest magnitude).
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tilecast.launcher.bench.report import max_rel_diff, psnr_db, ratio, time_repeated
+from tilecast.launcher.bench.report import max_rel_diff, profile_call, psnr_db, ratio, time_repeated
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
 from tilecast.runtime.registry import resolve_pipeline
@@ -95,8 +97,11 @@ def run_step_bench(
     cuda_graphs: bool = False,
     warmup: int = 3,
     iters: int = 10,
+    profile_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per batch size (see the module doc). ``ValueError`` names a bad argument."""
+    """One row per batch size (see the module doc). ``ValueError`` names a bad argument. With
+    ``profile_dir``, one more tilecast step per batch size runs under the profiler after its timing
+    (``step_b<batch>.txt``)."""
     family = resolve_pipeline(model_path)
     if not issubclass(family, FluxT2IPipeline):
         raise ValueError(
@@ -145,6 +150,9 @@ def run_step_bench(
         )
         for row in rows:
             warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
+            if profile_dir is not None:
+                step = functools.partial(pipe.transformer, **inputs[row["batch"]])
+                profile_call(step, Path(profile_dir) / f"step_b{row['batch']}.txt", device=device)
             reference = row.pop("reference").float()
             row.update(
                 tilecast_ms=ms,

@@ -61,6 +61,7 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRUpsample,
 )
 from torch import nn
+from torch.profiler import record_function
 
 from tilecast.kernels.channel_bias import add_bias_
 from tilecast.kernels.spatial_norm import norm_modulate_silu
@@ -188,19 +189,23 @@ class ChannelsLastDecoder:
 
     # ------------------------------------------------------------------ layers
     def _segment(self, z_BTHWC: torch.Tensor, *, first: bool) -> torch.Tensor:
+        """One segment's decode; the profiler sees each part as a named range (``bench k6sr --profile``)."""
         decoder = self.decoder
-        h = add_bias_(self._causal_conv(decoder.conv_in, z_BTHWC, first), decoder.conv_in.conv.bias)
-        h = self._beat(self._resnet(decoder.mid.block_1, h, z_BTHWC, first))
-        h = self._beat(self._resnet(decoder.mid.block_2, h, z_BTHWC, first))
+        with record_function("k-vae: conv_in + mid"):
+            h = add_bias_(self._causal_conv(decoder.conv_in, z_BTHWC, first), decoder.conv_in.conv.bias)
+            h = self._beat(self._resnet(decoder.mid.block_1, h, z_BTHWC, first))
+            h = self._beat(self._resnet(decoder.mid.block_2, h, z_BTHWC, first))
         for level in reversed(range(len(decoder.up))):
             up = decoder.up[level]
-            for block in up.block:
-                h = self._beat(self._resnet(block, h, z_BTHWC, first))
+            with record_function(f"k-vae: level {level} ({up.block[-1].out_channels} channels)"):
+                for block in up.block:
+                    h = self._beat(self._resnet(block, h, z_BTHWC, first))
             if hasattr(up, "upsample"):
-                h = self._beat(self._upsample(up.upsample, h, first))
-        return add_bias_(
-            self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first), decoder.conv_out.conv.bias
-        )
+                with record_function(f"k-vae: level {level} upsample"):
+                    h = self._beat(self._upsample(up.upsample, h, first))
+        with record_function("k-vae: norm_out + conv_out"):
+            out = self._norm_silu_conv(decoder.norm_out, decoder.conv_out, h, z_BTHWC, first)
+            return add_bias_(out, decoder.conv_out.conv.bias)
 
     def _beat(self, h_BTHWC: torch.Tensor) -> torch.Tensor:
         """``h`` unchanged, after telling ``decode``'s ``alive`` that a block is done."""
