@@ -13,6 +13,11 @@ without a GPU, and its space-to-depth candidate's coarse kernel computes the fin
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from tilecast.kernels.narrow_conv import Tiling, default_tiling, pack_weight, re
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _inputs(in_channels, out_channels, shape, dtype=torch.float32, seed=0):
@@ -114,3 +120,20 @@ def test_space_to_depth_kernel_convolves_the_coarse_grid_as_the_fine_one():
     coarse = reference(space_to_depth(x), space_to_depth_weight(weight), (1, 1))
     torch.testing.assert_close(depth_to_space(coarse), fine, rtol=1e-12, atol=1e-12)
     assert torch.equal(depth_to_space(space_to_depth(x)), x)
+
+
+@needs_triton
+def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
+    """At the decoder's layers (256 and 16 input channels, default tilings): Hopper's warp-group MMA,
+    and the input loads as asynchronous copies the pipeliner runs ahead of the products (what makes
+    the kernel worth measuring). Compiled ahead of time for sm_90 (Triton ships ptxas: no GPU
+    needed), in a process of its own: where ``TRITON_INTERPRET`` is set, Triton's own library
+    functions are interpreted and cannot be compiled."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = [sys.executable, "-P", str(REPO / "tests" / "hopper_codegen.py")]
+    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    for in_channels in ("256", "16"):
+        assert ops[in_channels]["warp_group_dot"] > 0, ops
+        assert ops[in_channels]["async_copy_global_to_local"] > 0, ops
