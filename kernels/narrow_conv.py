@@ -14,7 +14,13 @@ of a pixel read ``KW * C_in`` consecutive input values (``w - pw`` .. ``w - pw +
 channel rows), so the reduction runs along that contiguous run in blocks of ``BK``; pixels outside
 the frame read zeros. When ``BK`` divides ``C_in`` (the decoder's 16 and 256) each block lies in one
 column tap and needs one mask per pixel, and all ``27 C_in / BK`` steps run as one flat loop that
-Triton can pipeline; otherwise the mask is computed per value. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
+Triton can pipeline; otherwise the mask is computed per value.
+
+Every input value is read 27 times (once per tap), from L2 after the first: with 16 output
+channels that is 16 multiply-adds per value read, about what caps cuDNN at 256 -> 16. The reuse
+kernel (``Tiling(reuse=True)``, one row of pixels per program) reads each block of input once for
+the three column taps of a 3x3 kernel: three products into three accumulators, which are shifted
+by one and two pixels (``tl.gather``) and summed once at the end; 9 reads per value instead of 27. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
 ``KP`` the run padded to ``BK`` and ``NP`` the output channels padded, with zeros. Accumulation is
 float32, the output in the input's dtype.
 
@@ -44,25 +50,32 @@ class Tiling:
     bk: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    reuse: bool = False
+    """Load each input block once for the three column taps (``bh`` 1; ``bw`` input pixels give
+    ``bw - 2`` outputs): a third of the input reads, three products per load."""
 
     @classmethod
     def parse(cls, text: str) -> "Tiling":
-        """``"2x64k64w4s3"``: ``bh`` x ``bw``, ``k`` reduction block, warps, stages (``ValueError``
-        naming the form)."""
-        match = re.fullmatch(r"(\d+)x(\d+)k(\d+)w(\d+)s(\d+)", text.strip())
+        """``"2x64k64w4s3"``: ``bh`` x ``bw``, ``k`` reduction block, warps, stages, and ``r`` at the end
+        for ``reuse`` (``ValueError`` naming the form)."""
+        match = re.fullmatch(r"(\d+)x(\d+)k(\d+)w(\d+)s(\d+)(r?)", text.strip())
         if match is None:
-            raise ValueError(f"narrow conv tiling {text!r}: write it as BHxBWkBKwWARPSsSTAGES, e.g. 2x64k64w4s3")
-        tiling = cls(*(int(group) for group in match.groups()))
+            raise ValueError(
+                f"narrow conv tiling {text!r}: write it as BHxBWkBKwWARPSsSTAGES[r], e.g. 2x64k64w4s3 or 1x128k64w4s3r"
+            )
+        tiling = cls(*(int(group) for group in match.groups()[:5]), reuse=bool(match.group(6)))
         for name in ("bh", "bw", "bk"):
             value = getattr(tiling, name)
             if value & (value - 1):
                 raise ValueError(f"narrow conv tiling {text!r}: {name} must be a power of two, got {value}")
         if tiling.bh * tiling.bw < 16 or tiling.bk < 16:
             raise ValueError(f"narrow conv tiling {text!r}: a patch needs at least 16 pixels and BK at least 16")
+        if tiling.reuse and tiling.bh != 1:
+            raise ValueError(f"narrow conv tiling {text!r}: reuse ('r') takes one row per program (BH 1)")
         return tiling
 
     def __str__(self) -> str:
-        return f"{self.bh}x{self.bw}k{self.bk}w{self.num_warps}s{self.num_stages}"
+        return f"{self.bh}x{self.bw}k{self.bk}w{self.num_warps}s{self.num_stages}{'r' if self.reuse else ''}"
 
 
 def default_tiling(in_channels: int) -> Tiling:
@@ -179,6 +192,72 @@ def _triton_kernel():
     return kernel
 
 
+@functools.cache
+def _triton_reuse_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        height,
+        width,
+        out_channels,
+        stride_xb,
+        stride_xt,
+        stride_xh,
+        stride_yb,
+        stride_yt,
+        stride_yh,
+        CIN: tl.constexpr,
+        KT: tl.constexpr,
+        KH: tl.constexpr,
+        NP: tl.constexpr,
+        BW: tl.constexpr,
+        BK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # A 3-wide kernel padded by one column; one row of BW input pixels (columns w0 - 1 ..) per
+        # program gives BW - 2 outputs. Input pixel i feeds output i through column tap 0, output
+        # i - 1 through tap 1 and i - 2 through tap 2: three accumulators, shifted once at the end.
+        tiles_w = tl.cdiv(width, BW - 2)
+        h = tl.program_id(0) // tiles_w
+        w0 = (tl.program_id(0) % tiles_w) * (BW - 2)
+        t = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        i = tl.arange(0, BW)
+        column = w0 - 1 + i
+        column_ok = (column >= 0) & (column < width)
+        c = tl.arange(0, BK)
+        n = tl.arange(0, NP)
+        acc0 = tl.zeros([BW, NP], dtype=tl.float32)
+        acc1 = tl.zeros([BW, NP], dtype=tl.float32)
+        acc2 = tl.zeros([BW, NP], dtype=tl.float32)
+        frame = x_ptr + b * stride_xb + t * stride_xt
+        for step in range(KT * KH * (CIN // BK)):
+            c0 = (step % (CIN // BK)) * BK
+            row_tap = step // (CIN // BK)  # kt * KH + kh
+            row = h + (row_tap % KH - 1) + tl.zeros([BW], dtype=tl.int32)  # one per pixel, for the mask
+            ok = column_ok & (row >= 0) & (row < height)
+            pixel = frame + (row_tap // KH) * stride_xt + row.to(tl.int64) * stride_xh + column.to(tl.int64) * CIN
+            a = tl.load(pixel[:, None] + (c0 + c)[None, :], mask=ok[:, None], other=0.0)
+            taps = w_ptr + (row_tap * 3 * CIN + c0 + c)[:, None] * NP + n[None, :]  # packed [KT, KH, 3 CIN, NP]
+            acc0 = tl.dot(a, tl.load(taps), acc0, input_precision=PRECISION)
+            acc1 = tl.dot(a, tl.load(taps + CIN * NP), acc1, input_precision=PRECISION)
+            acc2 = tl.dot(a, tl.load(taps + 2 * CIN * NP), acc2, input_precision=PRECISION)
+        rows = i[:, None] + tl.zeros([BW, NP], dtype=tl.int32)
+        acc = acc0 + tl.gather(acc1, tl.minimum(rows + 1, BW - 1), 0) + tl.gather(acc2, tl.minimum(rows + 2, BW - 1), 0)
+        w = w0 + i
+        out = y_ptr + b * stride_yb + t * stride_yt + h.to(tl.int64) * stride_yh
+        out += w.to(tl.int64)[:, None] * out_channels + n[None, :]
+        mask = ((i < BW - 2) & (w < width))[:, None] & (n < out_channels)[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
 def triton_conv(
     x_BTHWC: torch.Tensor,
     weight: PackedWeight,
@@ -203,20 +282,31 @@ def triton_conv(
     import triton
 
     out = x_BTHWC.new_empty(batch, out_frames, height, width, weight.out_channels)
+    args = (x_BTHWC, weight.packed, out, height, width, weight.out_channels, *x_BTHWC.stride()[:3], *out.stride()[:3])
+    precision = "ieee" if x_BTHWC.dtype == torch.float32 else "tf32"
+    launch = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    if tiling.reuse:
+        if (kh, kw, ph, pw) != (3, 3, 1, 1) or in_channels % tiling.bk:
+            raise ValueError(
+                f"narrow conv: reuse ('r') takes a 3x3 kernel padded by 1 and BK dividing the {in_channels} channels"
+            )
+        grid = (height * triton.cdiv(width, tiling.bw - 2), out_frames, batch)
+        kernel = _triton_reuse_kernel()
+        kernel[grid](
+            *args,
+            CIN=in_channels,
+            KT=kt,
+            KH=kh,
+            NP=weight.packed.shape[3],
+            BW=tiling.bw,
+            BK=tiling.bk,
+            PRECISION=precision,
+            **launch,
+        )
+        return out
     grid = (triton.cdiv(height, tiling.bh) * triton.cdiv(width, tiling.bw), out_frames, batch)
     _triton_kernel()[grid](
-        x_BTHWC,
-        weight.packed,
-        out,
-        height,
-        width,
-        weight.out_channels,
-        x_BTHWC.stride(0),
-        x_BTHWC.stride(1),
-        x_BTHWC.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        *args,
         CIN=in_channels,
         KT=kt,
         KH=kh,
@@ -228,8 +318,7 @@ def triton_conv(
         BH=tiling.bh,
         BW=tiling.bw,
         BK=tiling.bk,
-        PRECISION="ieee" if x_BTHWC.dtype == torch.float32 else "tf32",
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
+        PRECISION=precision,
+        **launch,
     )
     return out

@@ -1,7 +1,7 @@
-"""``python tests/hopper_codegen.py``: compile ``kernels/narrow_conv.py``'s kernel for sm_90 ahead of
-time (no GPU needed) at the K-VAE decoder's layers, as the JIT specializes it there (pointers,
+"""``python tests/hopper_codegen.py``: compile ``kernels/narrow_conv.py``'s kernels for sm_90 ahead of
+time (no GPU needed) at the K-VAE decoder's layers, as the JIT specializes them there (pointers,
 strides and the width divisible by 16), and print, as one JSON line, how often each operation that
-matters for speed appears in its TTGIR: ``{in_channels: {op: count}}``. Run without
+matters for speed appears in their TTGIR: ``{"<in_channels> <tiling>": {op: count}}``. Run without
 ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``)."""
 
 from __future__ import annotations
@@ -11,18 +11,20 @@ import json
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from tilecast.kernels.narrow_conv import _triton_kernel, default_tiling
+from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, _triton_reuse_kernel, default_tiling
 
 OPS = ("warp_group_dot", "async_copy_global_to_local")
+REUSE = {256: "1x128k64w4s3r", 16: "1x128k16w4s3r"}
+"""A reuse tiling per layer (``Tiling.parse`` form)."""
 
 
-def hopper_ttgir(in_channels: int) -> str:
-    kernel = _triton_kernel()
-    tiling = default_tiling(in_channels)
+def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
+    kernel = _triton_reuse_kernel() if tiling.reuse else _triton_kernel()
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "stride_xb": "i64", "stride_yb": "i64"}
     constants = dict(CIN=in_channels, KT=3, KH=3, KW=3, KP=3 * in_channels, NP=16, PH=1, PW=1)
     constants |= dict(BH=tiling.bh, BW=tiling.bw, BK=tiling.bk, PRECISION="tf32")
     names = kernel.arg_names
+    constants = {name: value for name, value in constants.items() if name in names}
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride") or name == "width"]
     source = ASTSource(
         fn=kernel,
@@ -37,6 +39,7 @@ def hopper_ttgir(in_channels: int) -> str:
 if __name__ == "__main__":
     counts = {}
     for in_channels in (256, 16):
-        ttgir = hopper_ttgir(in_channels)
-        counts[in_channels] = {op: ttgir.count(op) for op in OPS}
+        for tiling in (default_tiling(in_channels), Tiling.parse(REUSE[in_channels])):
+            ttgir = hopper_ttgir(in_channels, tiling)
+            counts[f"{in_channels} {tiling}"] = {op: ttgir.count(op) for op in OPS}
     print(json.dumps(counts))

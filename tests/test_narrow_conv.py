@@ -5,7 +5,9 @@ in Triton's interpreter on the CPU (``tests/conftest.py``; the interpreter's bf1
 ``tests/test_triton_kernels.py``); bf16 on the GPU at most 0.5 dB below
 cuDNN's bf16 PSNR against a float32 convolution without TF32. Shapes cover patches cut by the
 frame's edges, runs of ``3 C_in`` values that do not fill a reduction block, and 3, 5 and 16 output
-channels. Bad tilings and inputs are refused naming the problem, the benchmark refuses to run
+channels, and the reuse kernel (one load for the three column taps). Compiled ahead of time for
+sm_90, both kernels are pipelined warp-group-MMA loops. Bad tilings and inputs are refused naming
+the problem, the benchmark refuses to run
 without a GPU, and its space-to-depth candidate's coarse kernel computes the fine convolution
 (float64, 1e-12).
 """
@@ -45,6 +47,9 @@ def _inputs(in_channels, out_channels, shape, dtype=torch.float32, seed=0):
         (256, 16, (1, 3, 9, 13), None),
         (16, 3, (1, 3, 4, 66), None),
         (24, 5, (1, 3, 3, 5), "4x16k32w4s2"),  # blocks straddle taps: 72 values in three blocks of 32, padded
+        (16, 16, (2, 4, 5, 70), "1x32k16w4s3r"),  # reuse: 30 outputs per program, the last one cut
+        (256, 16, (1, 3, 4, 13), "1x16k64w4s2r"),
+        (16, 3, (1, 3, 3, 66), "1x64k16w4s3r"),
     ],
 )
 def test_narrow_conv_is_conv3d_in_float32(in_channels, out_channels, shape, tiling):
@@ -58,14 +63,16 @@ def test_narrow_conv_is_conv3d_in_float32(in_channels, out_channels, shape, tili
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor cores: a CUDA GPU")
+@pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("in_channels, out_channels", [(256, 16), (16, 16), (16, 3)])
-def test_narrow_conv_in_bf16_as_close_to_float32_as_cudnn(in_channels, out_channels):
+def test_narrow_conv_in_bf16_as_close_to_float32_as_cudnn(in_channels, out_channels, reuse):
     from tilecast.launcher.bench.report import psnr_db
 
     x, weight = _inputs(in_channels, out_channels, (1, 6, 40, 96), dtype=torch.bfloat16)
     with torch.backends.cudnn.flags(allow_tf32=False):
         exact = reference(x.float(), weight.float(), (1, 1))
-    ours = psnr_db(triton_conv(x, pack_weight(weight, default_tiling(in_channels).bk), (1, 1)), exact)
+    tiling = Tiling(bh=1, bw=128, bk=default_tiling(in_channels).bk, reuse=True) if reuse else None
+    ours = psnr_db(triton_conv(x, pack_weight(weight, default_tiling(in_channels).bk), (1, 1), tiling), exact)
     cudnn = psnr_db(reference(x, weight.contiguous(memory_format=torch.channels_last_3d), (1, 1)), exact)
     print(f"narrow conv {in_channels}->{out_channels} bf16 PSNR vs fp32: triton {ours:.2f} dB, cuDNN {cudnn:.2f} dB")
     assert ours >= cudnn - 0.5
@@ -78,12 +85,13 @@ def test_narrow_conv_in_bf16_as_close_to_float32_as_cudnn(in_channels, out_chann
         ("3x64k64w4s3", "bh must be a power of two"),
         ("1x8k64w4s3", "at least 16 pixels"),
         ("2x64k8w4s3", "BK at least 16"),
+        ("2x64k64w4s3r", "reuse .* one row per program"),
     ],
 )
 def test_bad_tilings_are_refused_naming_the_problem(text, message):
     with pytest.raises(ValueError, match=message):
         Tiling.parse(text)
-    assert str(Tiling.parse("2x64k64w4s3")) == "2x64k64w4s3"
+    assert str(Tiling.parse("2x64k64w4s3")) == "2x64k64w4s3" and str(Tiling.parse("1x128k64w4s3r")) == "1x128k64w4s3r"
 
 
 def test_bad_inputs_are_refused_naming_the_problem():
@@ -97,6 +105,9 @@ def test_bad_inputs_are_refused_naming_the_problem():
         triton_conv(x.transpose(3, 2).contiguous().transpose(3, 2), packed, (1, 1))
     with pytest.raises(ValueError, match="only 'same' spatial padding"):
         triton_conv(x, packed, (0, 0))
+    wide = pack_weight(torch.zeros(16, 24, 3, 3, 3, device=DEVICE), 16)
+    with pytest.raises(ValueError, match="reuse .* BK dividing the 24 channels"):
+        triton_conv(torch.zeros(1, 3, 4, 8, 24, device=DEVICE), wide, (1, 1), Tiling(bh=1, bw=64, bk=16, reuse=True))
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where no GPU is")
@@ -124,7 +135,7 @@ def test_space_to_depth_kernel_convolves_the_coarse_grid_as_the_fine_one():
 
 @needs_triton
 def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
-    """At the decoder's layers (256 and 16 input channels, default tilings): Hopper's warp-group MMA,
+    """At the decoder's layers (256 and 16 input channels; default and reuse tilings): Hopper's warp-group MMA,
     and the input loads as asynchronous copies the pipeliner runs ahead of the products (what makes
     the kernel worth measuring). Compiled ahead of time for sm_90 (Triton ships ptxas: no GPU
     needed), in a process of its own: where ``TRITON_INTERPRET`` is set, Triton's own library
@@ -134,6 +145,6 @@ def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
     done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     ops = json.loads(done.stdout.strip().splitlines()[-1])
-    for in_channels in ("256", "16"):
-        assert ops[in_channels]["warp_group_dot"] > 0, ops
-        assert ops[in_channels]["async_copy_global_to_local"] > 0, ops
+    assert len(ops) == 4, ops  # 256 and 16 channels, the default and a reuse tiling each
+    for counts in ops.values():
+        assert counts["warp_group_dot"] > 0 and counts["async_copy_global_to_local"] > 0, ops

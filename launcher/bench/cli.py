@@ -141,7 +141,9 @@ def narrow_conv(
     tiling: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--tiling", help="Also time the Triton kernel at this tiling (repeatable): BHxBWkBKwWARPSsSTAGES."
+            "--tiling",
+            help="Also time the Triton kernel at this tiling (repeatable): BHxBWkBKwWARPSsSTAGES, r at the end for "
+            "the reuse kernel (one input load for the three column taps).",
         ),
     ] = None,
     frames: Annotated[
