@@ -14,15 +14,15 @@ of a pixel read ``KW * C_in`` consecutive input values (``w - pw`` .. ``w - pw +
 channel rows), so the reduction runs along that contiguous run in blocks of ``BK``; pixels outside
 the frame read zeros. When ``BK`` divides ``C_in`` (the decoder's 16 and 256) each block lies in one
 column tap and needs one mask per pixel, and all ``27 C_in / BK`` steps run as one flat loop that
-Triton can pipeline; otherwise the mask is computed per value.
+Triton can pipeline; otherwise the mask is computed per value. The weights are packed once
+(``pack_weight``) to match: ``[KT, KH, KP, NP]``, ``KP`` the run padded to ``BK`` and ``NP`` the
+output channels padded, with zeros. Accumulation is float32, the output in the input's dtype.
 
 Every input value is read 27 times (once per tap), from L2 after the first: with 16 output
 channels that is 16 multiply-adds per value read, about what caps cuDNN at 256 -> 16. The reuse
 kernel (``Tiling(reuse=True)``, one row of pixels per program) reads each block of input once for
 the three column taps of a 3x3 kernel: three products into three accumulators, which are shifted
-by one and two pixels (``tl.gather``) and summed once at the end; 9 reads per value instead of 27. The weights are packed once (``pack_weight``) to match: ``[KT, KH, KP, NP]``,
-``KP`` the run padded to ``BK`` and ``NP`` the output channels padded, with zeros. Accumulation is
-float32, the output in the input's dtype.
+by one and two pixels (``tl.gather``) and summed once at the end; 9 reads per value instead of 27.
 
 ``reference`` is ``F.conv3d`` on the same channels-last view (what the decoder runs today).
 """
