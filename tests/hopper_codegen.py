@@ -1,12 +1,14 @@
 """``python tests/hopper_codegen.py``: compile ``kernels/narrow_conv.py``'s kernels for sm_90 ahead of
 time (no GPU needed) at the K-VAE decoder's layers, as the JIT specializes them there (pointers,
 strides and the width divisible by 16), and print, as one JSON line, how often each operation that
-matters for speed appears in their TTGIR: ``{"<in_channels> <tiling>": {op: count}}``. Run without
+matters for speed appears in their TTGIR, and the most warp-group products a wait in them leaves in
+flight: ``{"<in_channels> <tiling>": {op: count, "in_flight": n}}``. Run without
 ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -41,5 +43,6 @@ if __name__ == "__main__":
     for in_channels in (256, 16):
         for tiling in (default_tiling(in_channels), Tiling.parse(REUSE[in_channels])):
             ttgir = hopper_ttgir(in_channels, tiling)
-            counts[f"{in_channels} {tiling}"] = {op: ttgir.count(op) for op in OPS}
+            pendings = [int(n) for n in re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)]
+            counts[f"{in_channels} {tiling}"] = {op: ttgir.count(op) for op in OPS} | {"in_flight": max(pendings)}
     print(json.dumps(counts))

@@ -136,8 +136,9 @@ def test_space_to_depth_kernel_convolves_the_coarse_grid_as_the_fine_one():
 @needs_triton
 def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
     """At the decoder's layers (256 and 16 input channels; default and reuse tilings): Hopper's warp-group MMA,
-    and the input loads as asynchronous copies the pipeliner runs ahead of the products (what makes
-    the kernel worth measuring). Compiled ahead of time for sm_90 (Triton ships ptxas: no GPU
+    the input loads as asynchronous copies the pipeliner runs ahead of the products, and products
+    left in flight while the next step's loads go out (what makes the kernels worth measuring; in
+    SASS: 16-byte cp.async loads and HGMMA, 1 group in flight for the plain kernel, 3 for reuse). Compiled ahead of time for sm_90 (Triton ships ptxas: no GPU
     needed), in a process of its own: where ``TRITON_INTERPRET`` is set, Triton's own library
     functions are interpreted and cannot be compiled."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -148,3 +149,4 @@ def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
     assert len(ops) == 4, ops  # 256 and 16 channels, the default and a reuse tiling each
     for counts in ops.values():
         assert counts["warp_group_dot"] > 0 and counts["async_copy_global_to_local"] > 0, ops
+        assert counts["in_flight"] >= 1, ops  # the loop waits for the products of earlier steps only
