@@ -63,6 +63,15 @@ def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
     assert len(decoder._narrow) == len(narrow) and len(calls) == len(narrow)  # one segment: each layer once
 
 
+def test_narrow_convs_without_triton_are_refused_naming_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(ValueError, match=r"narrow_convs=True\) needs Triton"):
+        ChannelsLastDecoder(make_vae(), narrow_convs=True)
+
+
 def test_batch_of_tiles_and_reuse():
     """A chunk of several tiles decodes like each tile alone, and a second call starts fresh."""
     vae = make_vae(seed=1)

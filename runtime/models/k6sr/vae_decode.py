@@ -151,7 +151,12 @@ class ChannelsLastDecoder:
 
     def _pack_narrow_convs(self) -> dict:
         """``id(causal conv) -> PackedWeight`` for the 3x3x3 convolutions with few output channels."""
+        import importlib.util
+
         from tilecast.kernels.narrow_conv import default_tiling, pack_weight
+
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("ChannelsLastDecoder(narrow_convs=True) needs Triton, which is not installed")
 
         return {
             id(module): pack_weight(module.conv.weight.detach(), default_tiling(module.conv.in_channels).bk)
