@@ -84,6 +84,11 @@ def default_tiling(in_channels: int) -> Tiling:
     return Tiling(bk=16 if in_channels < 64 else 64)
 
 
+def reuse_tiling(in_channels: int) -> Tiling:
+    """The reuse kernel's counterpart of ``default_tiling``: rows of 128 input pixels (126 outputs)."""
+    return dataclasses.replace(default_tiling(in_channels), bh=1, bw=128, reuse=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A ``[C_out, C_in, KT, KH, KW]`` convolution weight laid out for ``triton_conv``."""

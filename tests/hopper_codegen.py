@@ -13,11 +13,9 @@ import re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, _triton_reuse_kernel, default_tiling
+from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, _triton_reuse_kernel, default_tiling, reuse_tiling
 
 OPS = ("warp_group_dot", "async_copy_global_to_local")
-REUSE = {256: "1x128k64w4s3r", 16: "1x128k16w4s3r"}
-"""A reuse tiling per layer (``Tiling.parse`` form)."""
 
 
 def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
@@ -41,7 +39,7 @@ def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
 if __name__ == "__main__":
     counts = {}
     for in_channels in (256, 16):
-        for tiling in (default_tiling(in_channels), Tiling.parse(REUSE[in_channels])):
+        for tiling in (default_tiling(in_channels), reuse_tiling(in_channels)):
             ttgir = hopper_ttgir(in_channels, tiling)
             pendings = [int(n) for n in re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)]
             counts[f"{in_channels} {tiling}"] = {op: ttgir.count(op) for op in OPS} | {"in_flight": max(pendings)}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tilecast.kernels.narrow_conv import Tiling, default_tiling, pack_weight, reference, triton_conv
+from tilecast.kernels.narrow_conv import Tiling, default_tiling, pack_weight, reference, reuse_tiling, triton_conv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -71,7 +71,7 @@ def test_narrow_conv_in_bf16_as_close_to_float32_as_cudnn(in_channels, out_chann
     x, weight = _inputs(in_channels, out_channels, (1, 6, 40, 96), dtype=torch.bfloat16)
     with torch.backends.cudnn.flags(allow_tf32=False):
         exact = reference(x.float(), weight.float(), (1, 1))
-    tiling = Tiling(bh=1, bw=128, bk=default_tiling(in_channels).bk, reuse=True) if reuse else None
+    tiling = reuse_tiling(in_channels) if reuse else None
     ours = psnr_db(triton_conv(x, pack_weight(weight, default_tiling(in_channels).bk), (1, 1), tiling), exact)
     cudnn = psnr_db(reference(x, weight.contiguous(memory_format=torch.channels_last_3d), (1, 1)), exact)
     print(f"narrow conv {in_channels}->{out_channels} bf16 PSNR vs fp32: triton {ours:.2f} dB, cuDNN {cudnn:.2f} dB")

@@ -45,8 +45,9 @@ def bench_narrow_conv(
     iters: int = 10,
     decode: bool = False,
 ) -> list[dict]:
-    """One row per (layer, implementation): cuDNN, then the Triton kernel at its default tiling and
-    at each of ``tilings`` (``Tiling.parse`` form; a bad one is named before any GPU is needed)."""
+    """One row per (layer, implementation): cuDNN, cuDNN space-to-depth, then the Triton kernels at
+    their default tilings (plain and reuse) and at each of ``tilings`` (``Tiling.parse`` form; a bad
+    one is named before any GPU is needed)."""
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import SEGMENT_FRAMES
 
     from tilecast.kernels.narrow_conv import Tiling
@@ -85,7 +86,7 @@ def _decode_rows(iters: int) -> list[dict]:
 
 
 def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> list[dict]:
-    from tilecast.kernels.narrow_conv import default_tiling, pack_weight, reference, triton_conv
+    from tilecast.kernels.narrow_conv import default_tiling, pack_weight, reference, reuse_tiling, triton_conv
 
     frames, height, width = size
     x = torch.randn(1, frames + 2, height, width, in_channels, device="cuda", generator=gen).bfloat16()
@@ -103,7 +104,7 @@ def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> 
         out = depth_to_space(reference(coarse_x, coarse_weight, (1, 1)))
         rows.append(_row(layer, "cudnn-s2d", ms, cudnn_ms, flops, out, exact))
         del coarse_x
-    for tiling in [default_tiling(in_channels), *tilings]:
+    for tiling in [default_tiling(in_channels), reuse_tiling(in_channels), *tilings]:
         packed = pack_weight(weight, tiling.bk)
 
         def call(packed=packed, tiling=tiling):
