@@ -19,11 +19,11 @@ Triton can pipeline; otherwise the mask is computed per value. The weights are p
 output channels padded, with zeros. Accumulation is float32, the output in the input's dtype.
 
 Every input value is read 27 times (once per tap), from L2 after the first: with 16 output
-channels that is 16 multiply-adds per value read (likely what holds cuDNN to 110 TFLOP/s at 256 ->
-16; not measured). The reuse
-kernel (``Tiling(reuse=True)``, one row of pixels per program) reads each block of input once for
-the three column taps of a 3x3 kernel: three products into three accumulators, which are shifted
-by one and two pixels (``tl.gather``) and summed once at the end; 9 reads per value instead of 27.
+channels that is 16 multiply-adds per value read (likely what holds cuDNN to 110 TFLOP/s at
+256 -> 16; not measured). The reuse kernel (``Tiling(reuse=True)``, one row of pixels per program)
+reads each block of input once for the three column taps of a 3x3 kernel: three products into
+three accumulators, which are shifted by one and two pixels (``tl.gather``) and summed once at the
+end; 9 reads per value instead of 27.
 
 ``reference`` is ``F.conv3d`` on the same channels-last view (what the decoder runs today).
 """
