@@ -23,7 +23,8 @@ channels that is 16 multiply-adds per value read (likely what holds cuDNN to 110
 256 -> 16; not measured). The reuse kernel (``Tiling(reuse=True)``, one row of pixels per program)
 reads each block of input once for the three column taps of a 3x3 kernel: three products into
 three accumulators, which are shifted by one and two pixels (``tl.gather``) and summed once at the
-end; 9 reads per value instead of 27.
+end; 9 reads per value instead of 27. Both are one Triton kernel (``REUSE`` picks the loop at
+compile time); the pointer set-up and the store are shared.
 
 ``reference`` is ``F.conv3d`` on the same channels-last view (what the decoder runs today).
 """
@@ -150,115 +151,79 @@ def _triton_kernel():
         BW: tl.constexpr,
         BK: tl.constexpr,
         PRECISION: tl.constexpr,
+        REUSE: tl.constexpr,
     ):
-        tiles_w = tl.cdiv(width, BW)
-        patch = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
-        pixels = tl.arange(0, BH * BW)
-        h = (patch // tiles_w) * BH + pixels // BW
-        w = (patch % tiles_w) * BW + pixels % BW
-        n = tl.arange(0, NP)
-        acc = tl.zeros([BH * BW, NP], dtype=tl.float32)
         frame = x_ptr + b * stride_xb + t * stride_xt  # time tap 0
-        if CIN % BK == 0:
-            # Every block lies in one column tap: one mask per pixel. One flat loop over (tap, block),
-            # so Triton pipelines the loads of the next steps under the current product.
-            c = tl.arange(0, BK)
-            for step in range(KT * KH * KW * (CIN // BK)):
+        n = tl.arange(0, NP)
+        c = tl.arange(0, BK)
+        if REUSE:
+            # A 3-wide kernel padded by one column; one row of BW input pixels (columns w0 - 1 ..) per
+            # program gives BW - 2 outputs. Input pixel i feeds output i through column tap 0, output
+            # i - 1 through tap 1 and i - 2 through tap 2: three accumulators, shifted once at the end.
+            tiles_w = tl.cdiv(width, BW - 2)
+            i = tl.arange(0, BW)
+            h = tl.program_id(0) // tiles_w + tl.zeros([BW], dtype=tl.int32)  # one per pixel, for the masks
+            w0 = (tl.program_id(0) % tiles_w) * (BW - 2)
+            column = w0 - 1 + i
+            column_ok = (column >= 0) & (column < width)
+            acc0 = tl.zeros([BW, NP], dtype=tl.float32)
+            acc1 = tl.zeros([BW, NP], dtype=tl.float32)
+            acc2 = tl.zeros([BW, NP], dtype=tl.float32)
+            for step in range(KT * KH * (CIN // BK)):
                 c0 = (step % (CIN // BK)) * BK
-                tap = step // (CIN // BK)  # (kt * KH + kh) * KW + kw
-                row = h + ((tap // KW) % KH - PH)
-                column = w + (tap % KW - PW)
-                ok = (row >= 0) & (row < height) & (column >= 0) & (column < width)
-                pixel = (
-                    frame + (tap // (KW * KH)) * stride_xt + row.to(tl.int64) * stride_xh + column.to(tl.int64) * CIN
-                )
+                row_tap = step // (CIN // BK)  # kt * KH + kh
+                row = h + (row_tap % KH - 1)
+                ok = column_ok & (row >= 0) & (row < height)
+                pixel = frame + (row_tap // KH) * stride_xt + row.to(tl.int64) * stride_xh + column.to(tl.int64) * CIN
                 a = tl.load(pixel[:, None] + (c0 + c)[None, :], mask=ok[:, None], other=0.0)
-                taps = tl.load(w_ptr + (tap * CIN + c0 + c)[:, None] * NP + n[None, :])  # KP == KW * CIN here
-                acc = tl.dot(a, taps, acc, input_precision=PRECISION)
-        else:  # blocks straddle column taps (few or odd channels): a mask per value
-            for kt in range(KT):
-                for kh in range(KH):
-                    row = h + (kh - PH)
-                    row_ok = (row >= 0) & (row < height)
-                    start = frame + kt * stride_xt + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * CIN
-                    for k0 in range(0, KP, BK):
-                        k = k0 + tl.arange(0, BK)
-                        column = (w - PW)[:, None] + (k // CIN)[None, :]
-                        ok = row_ok[:, None] & (k < KW * CIN)[None, :] & (column >= 0) & (column < width)
-                        a = tl.load(start[:, None] + k[None, :], mask=ok, other=0.0)
-                        taps = tl.load(w_ptr + ((kt * KH + kh) * KP + k)[:, None] * NP + n[None, :])
-                        acc = tl.dot(a, taps, acc, input_precision=PRECISION)
+                taps = w_ptr + (row_tap * 3 * CIN + c0 + c)[:, None] * NP + n[None, :]  # packed [KT, KH, 3 CIN, NP]
+                acc0 = tl.dot(a, tl.load(taps), acc0, input_precision=PRECISION)
+                acc1 = tl.dot(a, tl.load(taps + CIN * NP), acc1, input_precision=PRECISION)
+                acc2 = tl.dot(a, tl.load(taps + 2 * CIN * NP), acc2, input_precision=PRECISION)
+            rows = i[:, None] + tl.zeros([BW, NP], dtype=tl.int32)
+            acc = acc0 + tl.gather(acc1, tl.minimum(rows + 1, BW - 1), 0)
+            acc += tl.gather(acc2, tl.minimum(rows + 2, BW - 1), 0)
+            w = w0 + i
+            valid = i < BW - 2
+        else:
+            tiles_w = tl.cdiv(width, BW)
+            pixels = tl.arange(0, BH * BW)
+            h = (tl.program_id(0) // tiles_w) * BH + pixels // BW
+            w = (tl.program_id(0) % tiles_w) * BW + pixels % BW
+            valid = h < height
+            acc = tl.zeros([BH * BW, NP], dtype=tl.float32)
+            if CIN % BK == 0:
+                # Every block lies in one column tap: one mask per pixel. One flat loop over (tap, block),
+                # so Triton pipelines the loads of the next steps under the current product.
+                for step in range(KT * KH * KW * (CIN // BK)):
+                    c0 = (step % (CIN // BK)) * BK
+                    tap = step // (CIN // BK)  # (kt * KH + kh) * KW + kw
+                    row = h + ((tap // KW) % KH - PH)
+                    column = w + (tap % KW - PW)
+                    ok = (row >= 0) & (row < height) & (column >= 0) & (column < width)
+                    pixel = frame + (tap // (KW * KH)) * stride_xt + row.to(tl.int64) * stride_xh
+                    pixel += column.to(tl.int64) * CIN
+                    a = tl.load(pixel[:, None] + (c0 + c)[None, :], mask=ok[:, None], other=0.0)
+                    taps = tl.load(w_ptr + (tap * CIN + c0 + c)[:, None] * NP + n[None, :])  # KP == KW * CIN here
+                    acc = tl.dot(a, taps, acc, input_precision=PRECISION)
+            else:  # blocks straddle column taps (few or odd channels): a mask per value
+                for kt in range(KT):
+                    for kh in range(KH):
+                        row = h + (kh - PH)
+                        row_ok = (row >= 0) & (row < height)
+                        start = frame + kt * stride_xt + row.to(tl.int64) * stride_xh + (w - PW).to(tl.int64) * CIN
+                        for k0 in range(0, KP, BK):
+                            k = k0 + c
+                            column = (w - PW)[:, None] + (k // CIN)[None, :]
+                            ok = row_ok[:, None] & (k < KW * CIN)[None, :] & (column >= 0) & (column < width)
+                            a = tl.load(start[:, None] + k[None, :], mask=ok, other=0.0)
+                            taps = tl.load(w_ptr + ((kt * KH + kh) * KP + k)[:, None] * NP + n[None, :])
+                            acc = tl.dot(a, taps, acc, input_precision=PRECISION)
         out = y_ptr + b * stride_yb + t * stride_yt + h.to(tl.int64)[:, None] * stride_yh
         out += w.to(tl.int64)[:, None] * out_channels + n[None, :]
-        mask = ((h < height) & (w < width))[:, None] & (n < out_channels)[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-    return kernel
-
-
-@functools.cache
-def _triton_reuse_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(
-        x_ptr,
-        w_ptr,
-        y_ptr,
-        height,
-        width,
-        out_channels,
-        stride_xb,
-        stride_xt,
-        stride_xh,
-        stride_yb,
-        stride_yt,
-        stride_yh,
-        CIN: tl.constexpr,
-        KT: tl.constexpr,
-        KH: tl.constexpr,
-        NP: tl.constexpr,
-        BW: tl.constexpr,
-        BK: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        # A 3-wide kernel padded by one column; one row of BW input pixels (columns w0 - 1 ..) per
-        # program gives BW - 2 outputs. Input pixel i feeds output i through column tap 0, output
-        # i - 1 through tap 1 and i - 2 through tap 2: three accumulators, shifted once at the end.
-        tiles_w = tl.cdiv(width, BW - 2)
-        h = tl.program_id(0) // tiles_w
-        w0 = (tl.program_id(0) % tiles_w) * (BW - 2)
-        t = tl.program_id(1).to(tl.int64)
-        b = tl.program_id(2).to(tl.int64)
-        i = tl.arange(0, BW)
-        column = w0 - 1 + i
-        column_ok = (column >= 0) & (column < width)
-        c = tl.arange(0, BK)
-        n = tl.arange(0, NP)
-        acc0 = tl.zeros([BW, NP], dtype=tl.float32)
-        acc1 = tl.zeros([BW, NP], dtype=tl.float32)
-        acc2 = tl.zeros([BW, NP], dtype=tl.float32)
-        frame = x_ptr + b * stride_xb + t * stride_xt
-        for step in range(KT * KH * (CIN // BK)):
-            c0 = (step % (CIN // BK)) * BK
-            row_tap = step // (CIN // BK)  # kt * KH + kh
-            row = h + (row_tap % KH - 1) + tl.zeros([BW], dtype=tl.int32)  # one per pixel, for the mask
-            ok = column_ok & (row >= 0) & (row < height)
-            pixel = frame + (row_tap // KH) * stride_xt + row.to(tl.int64) * stride_xh + column.to(tl.int64) * CIN
-            a = tl.load(pixel[:, None] + (c0 + c)[None, :], mask=ok[:, None], other=0.0)
-            taps = w_ptr + (row_tap * 3 * CIN + c0 + c)[:, None] * NP + n[None, :]  # packed [KT, KH, 3 CIN, NP]
-            acc0 = tl.dot(a, tl.load(taps), acc0, input_precision=PRECISION)
-            acc1 = tl.dot(a, tl.load(taps + CIN * NP), acc1, input_precision=PRECISION)
-            acc2 = tl.dot(a, tl.load(taps + 2 * CIN * NP), acc2, input_precision=PRECISION)
-        rows = i[:, None] + tl.zeros([BW, NP], dtype=tl.int32)
-        acc = acc0 + tl.gather(acc1, tl.minimum(rows + 1, BW - 1), 0) + tl.gather(acc2, tl.minimum(rows + 2, BW - 1), 0)
-        w = w0 + i
-        out = y_ptr + b * stride_yb + t * stride_yt + h.to(tl.int64) * stride_yh
-        out += w.to(tl.int64)[:, None] * out_channels + n[None, :]
-        mask = ((i < BW - 2) & (w < width))[:, None] & (n < out_channels)[None, :]
+        mask = (valid & (w < width))[:, None] & (n < out_channels)[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     return kernel
@@ -285,34 +250,26 @@ def triton_conv(
     out_frames, out_height, out_width = frames - kt + 1, height + 2 * ph - kh + 1, width + 2 * pw - kw + 1
     if (out_height, out_width) != (height, width):
         raise ValueError(f"narrow conv: only 'same' spatial padding is supported, got {padding_hw} for {kh}x{kw}")
+    if tiling.reuse and ((kh, kw, ph, pw) != (3, 3, 1, 1) or in_channels % tiling.bk):
+        raise ValueError(
+            f"narrow conv: reuse ('r') takes a 3x3 kernel padded by 1 and BK dividing the {in_channels} channels"
+        )
     import triton
 
     out = x_BTHWC.new_empty(batch, out_frames, height, width, weight.out_channels)
-    args = (x_BTHWC, weight.packed, out, height, width, weight.out_channels, *x_BTHWC.stride()[:3], *out.stride()[:3])
-    precision = "ieee" if x_BTHWC.dtype == torch.float32 else "tf32"
-    launch = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
-    if tiling.reuse:
-        if (kh, kw, ph, pw) != (3, 3, 1, 1) or in_channels % tiling.bk:
-            raise ValueError(
-                f"narrow conv: reuse ('r') takes a 3x3 kernel padded by 1 and BK dividing the {in_channels} channels"
-            )
+    if tiling.reuse:  # rows of bw input pixels, bw - 2 outputs each
         grid = (height * triton.cdiv(width, tiling.bw - 2), out_frames, batch)
-        kernel = _triton_reuse_kernel()
-        kernel[grid](
-            *args,
-            CIN=in_channels,
-            KT=kt,
-            KH=kh,
-            NP=weight.packed.shape[3],
-            BW=tiling.bw,
-            BK=tiling.bk,
-            PRECISION=precision,
-            **launch,
-        )
-        return out
-    grid = (triton.cdiv(height, tiling.bh) * triton.cdiv(width, tiling.bw), out_frames, batch)
+    else:
+        grid = (triton.cdiv(height, tiling.bh) * triton.cdiv(width, tiling.bw), out_frames, batch)
     _triton_kernel()[grid](
-        *args,
+        x_BTHWC,
+        weight.packed,
+        out,
+        height,
+        width,
+        weight.out_channels,
+        *x_BTHWC.stride()[:3],
+        *out.stride()[:3],
         CIN=in_channels,
         KT=kt,
         KH=kh,
@@ -324,7 +281,9 @@ def triton_conv(
         BH=tiling.bh,
         BW=tiling.bw,
         BK=tiling.bk,
-        PRECISION=precision,
-        **launch,
+        PRECISION="ieee" if x_BTHWC.dtype == torch.float32 else "tf32",
+        REUSE=tiling.reuse,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )
     return out

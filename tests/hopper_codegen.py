@@ -1,4 +1,4 @@
-"""``python tests/hopper_codegen.py``: compile ``kernels/narrow_conv.py``'s kernels for sm_90 ahead of
+"""``python tests/hopper_codegen.py``: compile ``kernels/narrow_conv.py``'s kernel (plain and reuse) for sm_90 ahead of
 time (no GPU needed) at the K-VAE decoder's layers, as the JIT specializes them there (pointers,
 strides and the width divisible by 16), and print, as one JSON line, how often each operation that
 matters for speed appears in their TTGIR, and the most warp-group products a wait in them leaves in
@@ -13,18 +13,17 @@ import re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, _triton_reuse_kernel, default_tiling, reuse_tiling
+from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, default_tiling, reuse_tiling
 
 OPS = ("warp_group_dot", "async_copy_global_to_local")
 
 
 def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
-    kernel = _triton_reuse_kernel() if tiling.reuse else _triton_kernel()
+    kernel = _triton_kernel()
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "stride_xb": "i64", "stride_yb": "i64"}
     constants = dict(CIN=in_channels, KT=3, KH=3, KW=3, KP=3 * in_channels, NP=16, PH=1, PW=1)
-    constants |= dict(BH=tiling.bh, BW=tiling.bw, BK=tiling.bk, PRECISION="tf32")
+    constants |= dict(BH=tiling.bh, BW=tiling.bw, BK=tiling.bk, PRECISION="tf32", REUSE=tiling.reuse)
     names = kernel.arg_names
-    constants = {name: value for name, value in constants.items() if name in names}
     aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride") or name == "width"]
     source = ASTSource(
         fn=kernel,

@@ -49,6 +49,7 @@ diffusers' decode; so does a VAE streamed layer by layer (its hooks sit on those
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Callable
 
 import torch
@@ -63,6 +64,7 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
 from torch import nn
 from torch.profiler import record_function
 
+from tilecast.kernels import narrow_conv
 from tilecast.kernels.channel_bias import add_bias_
 from tilecast.kernels.spatial_norm import norm_modulate_silu
 from tilecast.kernels.upsample import interleave_phases, repeat_frames
@@ -151,15 +153,12 @@ class ChannelsLastDecoder:
 
     def _pack_narrow_convs(self) -> dict:
         """``id(causal conv) -> PackedWeight`` for the 3x3x3 convolutions with few output channels."""
-        import importlib.util
-
-        from tilecast.kernels.narrow_conv import default_tiling, pack_weight
-
         if importlib.util.find_spec("triton") is None:
             raise ValueError("ChannelsLastDecoder(narrow_convs=True) needs Triton, which is not installed")
-
         return {
-            id(module): pack_weight(module.conv.weight.detach(), default_tiling(module.conv.in_channels).bk)
+            id(module): narrow_conv.pack_weight(
+                module.conv.weight.detach(), narrow_conv.default_tiling(module.conv.in_channels).bk
+            )
             for module in self.decoder.modules()
             if isinstance(module, Kandinsky6SRCausalConv3d)
             and module.conv.out_channels <= self.NARROW_CHANNELS
@@ -240,9 +239,7 @@ class ChannelsLastDecoder:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
         if id(layer) in self._narrow:
-            from tilecast.kernels.narrow_conv import triton_conv
-
-            return triton_conv(buffer, self._narrow[id(layer)], (layer.height_pad, layer.width_pad))
+            return narrow_conv.triton_conv(buffer, self._narrow[id(layer)], (layer.height_pad, layer.width_pad))
         return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
 
     def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
