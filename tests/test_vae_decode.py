@@ -64,8 +64,6 @@ def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
 
 
 def test_narrow_convs_without_triton_are_refused_naming_it(monkeypatch):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ValueError, match=r"narrow_convs=True\) needs Triton"):
