@@ -120,6 +120,16 @@ def reference(x_BTHWC: torch.Tensor, weight: torch.Tensor, padding_hw: tuple[int
     return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
 
 
+def exact(x_BTHWC: torch.Tensor, weight: torch.Tensor, padding_hw: tuple[int, int]) -> torch.Tensor:
+    """The float32 convolution others are measured against, as ``BTHWC``: TF32 off, and the input
+    made ``NCDHW`` first (cuDNN has no exact float32 kernel for channels-last 3D input; PyTorch then
+    falls back to an im2col copy 27 times the input's size)."""
+    x_BCTHW = x_BTHWC.float().permute(0, 4, 1, 2, 3).contiguous()
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        y_BCTHW = F.conv3d(x_BCTHW, weight.float().contiguous(), None, 1, (0, *padding_hw))
+    return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()
+
+
 @functools.cache
 def _triton_kernel():
     import triton

@@ -72,8 +72,8 @@ def _decode_rows(iters: int) -> list[dict]:
     with torch.device("cuda"):
         vae = Kandinsky6SRVAE().eval().requires_grad_(False)
         z = torch.randn(1, vae.config.latent_channels, 31, 32, 48)
-    with torch.backends.cudnn.flags(allow_tf32=False):
-        exact = ChannelsLastDecoder(vae).decode(z)
+    with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):  # before ChannelsLastDecoder makes
+        exact = vae.decode(z, return_dict=False)[0]  # the weights channels-last: cuDNN's exact kernels are NCDHW
     vae, z = vae.to(torch.bfloat16), z.bfloat16()
     rows = []
     for name, narrow in (("cudnn", False), ("narrow_convs", True)):
@@ -86,23 +86,22 @@ def _decode_rows(iters: int) -> list[dict]:
 
 
 def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> list[dict]:
-    from tilecast.kernels.narrow_conv import default_tiling, pack_weight, reference, reuse_tiling, triton_conv
+    from tilecast.kernels.narrow_conv import default_tiling, exact, pack_weight, reference, reuse_tiling, triton_conv
 
     frames, height, width = size
     x = torch.randn(1, frames + 2, height, width, in_channels, device="cuda", generator=gen).bfloat16()
     weight = torch.randn(out_channels, in_channels, 3, 3, 3, device="cuda", generator=gen) / (27 * in_channels) ** 0.5
     weight = weight.bfloat16().contiguous(memory_format=torch.channels_last_3d)
     flops = 2 * frames * height * width * out_channels * in_channels * 27
-    with torch.backends.cudnn.flags(allow_tf32=False):
-        exact = reference(x.float(), weight.float(), (1, 1))
+    expected = exact(x, weight, (1, 1))
     cudnn_ms = _time_ms(lambda: reference(x, weight, (1, 1)), iters)
-    rows = [_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), exact)]
+    rows = [_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)]
     if out_channels * 4 >= 16:  # cuDNN on the coarse grid (12 output channels would be no better than 3)
         coarse_x, coarse_weight = space_to_depth(x), space_to_depth_weight(weight)
         coarse_weight = coarse_weight.contiguous(memory_format=torch.channels_last_3d)
         ms = _time_ms(lambda: reference(coarse_x, coarse_weight, (1, 1)), iters)
         out = depth_to_space(reference(coarse_x, coarse_weight, (1, 1)))
-        rows.append(_row(layer, "cudnn-s2d", ms, cudnn_ms, flops, out, exact))
+        rows.append(_row(layer, "cudnn-s2d", ms, cudnn_ms, flops, out, expected))
         del coarse_x
     for tiling in [default_tiling(in_channels), reuse_tiling(in_channels), *tilings]:
         packed = pack_weight(weight, tiling.bk)
@@ -115,7 +114,7 @@ def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> 
         except Exception as exc:  # noqa: BLE001 - a tiling that cannot compile (shared memory) is reported
             rows.append({"layer": layer, "kernel": f"triton:{tiling}", "error": str(exc)[:120]})
             continue
-        rows.append(_row(layer, f"triton:{tiling}", ms, cudnn_ms, flops, call(), exact))
+        rows.append(_row(layer, f"triton:{tiling}", ms, cudnn_ms, flops, call(), expected))
     return rows
 
 
