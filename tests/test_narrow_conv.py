@@ -117,12 +117,19 @@ def test_bad_inputs_are_refused_naming_the_problem():
         triton_conv(torch.zeros(1, 3, 4, 8, 24, device=DEVICE), wide, (1, 1), Tiling(bh=1, bw=64, bk=16, reuse=True))
 
 
-@pytest.mark.skipif(CUDA, reason="checks the refusal where no GPU is")
-def test_bench_refuses_without_a_gpu_after_naming_a_bad_tiling():
+def test_bench_refuses_a_bad_tiling_and_profile_without_decode(tmp_path):
     from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
 
     with pytest.raises(ValueError, match="BHxBWkBKwWARPSsSTAGES"):
         bench_narrow_conv(["fast"])
+    with pytest.raises(ValueError, match="pass --decode with it"):
+        bench_narrow_conv([], profile_dir=tmp_path)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal where no GPU is")
+def test_bench_refuses_without_a_gpu():
+    from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
+
     with pytest.raises(ValueError, match="narrow-conv needs a CUDA GPU"):
         bench_narrow_conv(["2x64k64w4s3"])
 

@@ -154,13 +154,17 @@ def narrow_conv(
         bool,
         typer.Option("--decode", help="Also time one large tile's whole decode with cuDNN and with the Triton kernel."),
     ] = False,
+    profile: Annotated[
+        Optional[Path],
+        typer.Option("--profile", help="With --decode: also profile each decode (per decoder level); tables here."),
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """The K-VAE decoder's full-resolution convolutions (16 and 3 output channels): cuDNN vs Triton."""
     from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
 
-    try:  # a ValueError names the bad tiling, or the missing GPU
-        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters, decode=decode)
+    try:  # a ValueError names the bad tiling, the missing GPU, or --profile without --decode
+        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     _print_rows(

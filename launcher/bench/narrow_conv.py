@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 
 import torch
 
-from tilecast.launcher.bench.report import psnr_db, time_repeated
+from tilecast.launcher.bench.report import profile_call, psnr_db, time_repeated
 
 LAYERS = {"256->16": (256, 16), "16->16": (16, 16), "16->3": (16, 3)}
 """The level's convolutions (all 3x3x3): its first block's ``conv1``, the other convolutions, ``conv_out``."""
@@ -44,6 +45,7 @@ def bench_narrow_conv(
     width: int = 768,
     iters: int = 10,
     decode: bool = False,
+    profile_dir: Path | None = None,
 ) -> list[dict]:
     """One row per (layer, implementation): cuDNN, cuDNN space-to-depth, then the Triton kernels at
     their default tilings (plain and reuse) and at each of ``tilings`` (``Tiling.parse`` form; a bad
@@ -53,6 +55,8 @@ def bench_narrow_conv(
     from tilecast.kernels.narrow_conv import Tiling
 
     parsed = [Tiling.parse(text) for text in tilings or ()]
+    if profile_dir is not None and not decode:
+        raise ValueError("--profile profiles the whole-tile decodes: pass --decode with it")
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench narrow-conv needs a CUDA GPU")
     frames = SEGMENT_FRAMES if frames is None else frames
@@ -60,10 +64,10 @@ def bench_narrow_conv(
     rows = []
     for layer, channels in LAYERS.items():
         rows += _layer_rows(layer, *channels, parsed, (frames, height, width), iters, gen)
-    return rows + (_decode_rows(iters=max(1, iters // 5)) if decode else [])
+    return rows + (_decode_rows(max(1, iters // 5), profile_dir) if decode else [])
 
 
-def _decode_rows(iters: int) -> list[dict]:
+def _decode_rows(iters: int, profile_dir: Path | None) -> list[dict]:
     from diffusers import Kandinsky6SRVAE
 
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
@@ -82,6 +86,8 @@ def _decode_rows(iters: int) -> list[dict]:
         ms = timing.median_s * 1e3
         cudnn_ms = rows[0]["ms"] if rows else ms
         rows.append(_row("large tile decode", name, ms, cudnn_ms, None, timing.result, exact))
+        if profile_dir is not None:
+            profile_call(functools.partial(decoder.decode, z), profile_dir / f"decode-{name}.txt", device="cuda")
     return rows
 
 
