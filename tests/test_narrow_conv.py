@@ -164,3 +164,11 @@ def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
     for counts in ops.values():
         assert counts["warp_group_dot"] > 0 and counts["async_copy_global_to_local"] > 0, ops
         assert counts["in_flight"] >= 1, ops  # the loop waits for the products of earlier steps only
+
+
+def test_exact_reference_in_frame_chunks_is_conv3d():
+    """``exact`` convolves a few output frames per call (a whole segment would not fit cuDNN)."""
+    x, weight = _inputs(8, 4, (2, 7, 5, 6))
+    whole = reference(x, weight, (1, 1))
+    for frames_per_call in (1, 2, 5):
+        torch.testing.assert_close(exact(x, weight, (1, 1), frames_per_call), whole, rtol=1e-5, atol=1e-5)
