@@ -124,15 +124,15 @@ def exact(
     x_BTHWC: torch.Tensor, weight: torch.Tensor, padding_hw: tuple[int, int], frames_per_call: int = 4
 ) -> torch.Tensor:
     """The float32 convolution others are measured against, as ``BTHWC``: TF32 off, the input made
-    ``NCDHW`` (cuDNN's exact float32 kernels), ``frames_per_call`` output frames per convolution.
-    Where cuDNN declines (channels-last float32 input, or a whole decoder segment of 256 channels
-    at once), PyTorch falls back to an im2col copy 27 times the input's size: 162 GiB there."""
+    ``NCDHW``, ``frames_per_call`` output frames per convolution (bounded workspace). Without cuDNN
+    (``cudnn.flags()`` disables it unless told ``enabled=True``) PyTorch convolves by an im2col
+    copy 27 times the input's size: 162 GiB for a decoder segment at 256 channels."""
     weight = weight.float().contiguous()
     kt = weight.shape[2]
     parts = []
     for start in range(0, x_BTHWC.shape[1] - kt + 1, frames_per_call):
         x_BCTHW = x_BTHWC[:, start : start + frames_per_call + kt - 1].float().permute(0, 4, 1, 2, 3).contiguous()
-        with torch.backends.cudnn.flags(allow_tf32=False):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
             parts.append(F.conv3d(x_BCTHW, weight, None, 1, (0, *padding_hw)))
     return torch.cat(parts, dim=2).permute(0, 2, 3, 4, 1).contiguous()
 

@@ -51,7 +51,7 @@ def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vae = make_vae(seed=3).to(device)
     z = torch.randn(1, vae.config.latent_channels, 2, 1, 1, device=device)
-    with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         reference = vae.decode(z, return_dict=False)[0]
     from tilecast.kernels import narrow_conv
 
@@ -60,7 +60,7 @@ def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
     monkeypatch.setattr(narrow_conv, "triton_conv", lambda *args: calls.append(args[0].shape[-1]) or run(*args))
     decoder = ChannelsLastDecoder(vae, narrow_convs=True)
     narrow = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.kernel_size == (3, 3, 3)]
-    with torch.backends.cudnn.flags(allow_tf32=False):
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         got = decoder.decode(z)
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
     assert len(decoder._narrow) == len(narrow) and len(calls) == len(narrow)  # one segment: each layer once

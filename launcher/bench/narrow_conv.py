@@ -82,7 +82,7 @@ def _decode_rows(iters: int, profile_dir: Path | None) -> list[dict]:
     # decode is causal), against diffusers' float32 decode, before ChannelsLastDecoder makes the
     # weights channels-last (cuDNN's exact float32 kernels are NCDHW; the whole tile would not fit).
     first_segment = SEGMENT_FRAMES // int(vae.temporal_compression_ratio) + 1
-    with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         exact = vae.decode(z[:, :, :first_segment], return_dict=False)[0]
     vae, z = vae.to(torch.bfloat16), z.bfloat16()
     rows = []
