@@ -44,12 +44,13 @@ def test_matches_diffusers_decode_float32(latent_frames, height, width):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (on the CPU: its interpreter)")
-def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
+@pytest.mark.parametrize("channels", [None, (16, 64, 16, 16, 16)])  # the second: 64 -> 16 on the reuse kernel
+def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch, channels):
     """``narrow_convs``: the convolutions with at most 16 output channels (all of the tiny VAE's
     3x3x3 ones) on ``kernels/narrow_conv.py``, float32 within 1e-5 of diffusers without TF32 (one
     small segment: on the CPU the kernel runs in Triton's interpreter, 15 s for this)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    vae = make_vae(seed=3).to(device)
+    vae = make_vae(seed=3, **({"decoder_block_out_channels": channels} if channels else {})).to(device)
     z = torch.randn(1, vae.config.latent_channels, 2, 1, 1, device=device)
     with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         reference = vae.decode(z, return_dict=False)[0]
@@ -59,11 +60,25 @@ def test_narrow_convs_on_triton_decode_as_diffusers(monkeypatch):
     run = narrow_conv.triton_conv
     monkeypatch.setattr(narrow_conv, "triton_conv", lambda *args: calls.append(args[0].shape[-1]) or run(*args))
     decoder = ChannelsLastDecoder(vae, narrow_convs=True)
-    narrow = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.kernel_size == (3, 3, 3)]
+    narrow = [
+        m
+        for m in vae.decoder.modules()
+        if isinstance(m, torch.nn.Conv3d) and m.kernel_size == (3, 3, 3) and m.out_channels <= 16
+    ]
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         got = decoder.decode(z)
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
     assert len(decoder._narrow) == len(narrow) and len(calls) == len(narrow)  # one segment: each layer once
+    assert any(tiling.reuse for _, tiling in decoder._narrow.values()) == (channels is not None)
+
+
+def test_narrow_convs_by_default_only_on_cuda():
+    """``narrow_convs=None``: Triton's kernels where the decoder's weights are on a CUDA device (and
+    Triton is installed), PyTorch's convolutions elsewhere."""
+    vae = make_vae()
+    assert ChannelsLastDecoder(vae)._narrow == {}
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        assert ChannelsLastDecoder(vae.cuda())._narrow
 
 
 def test_narrow_convs_without_triton_are_refused_naming_it(monkeypatch):

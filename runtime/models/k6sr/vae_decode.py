@@ -118,13 +118,16 @@ class ChannelsLastDecoder:
     factor, ``BCTHW``) and returns what it returns (the ``BCTHW`` video tensor).
 
     ``narrow_convs``: run the causal convolutions with at most ``NARROW_CHANNELS`` output channels
-    (the full-resolution level's) on ``kernels/narrow_conv.py``'s Triton kernel instead of cuDNN
-    (needs Triton: a GPU, or its interpreter on the CPU). Off until it is measured faster on the
-    GPU (``tilecast bench narrow-conv``)."""
+    (the full-resolution level's) on ``kernels/narrow_conv.py``'s Triton kernels instead of cuDNN,
+    at ``fastest_tiling`` (2.1-2.3x cuDNN per layer on an H100, 2% of a large tile's decode; ``tilecast bench
+    narrow-conv --decode``). ``None`` (the default): on where the decoder's weights are on a CUDA
+    device and Triton is installed. ``True`` needs Triton (a GPU, or its interpreter on the CPU).
+    A call whose activations are on another device than the packed weights (an offloaded VAE)
+    runs those convolutions on PyTorch's."""
 
     NARROW_CHANNELS = 16
 
-    def __init__(self, vae: nn.Module, *, narrow_convs: bool = False) -> None:
+    def __init__(self, vae: nn.Module, *, narrow_convs: bool | None = None) -> None:
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
@@ -137,6 +140,9 @@ class ChannelsLastDecoder:
             for module in self.decoder.modules()
             if isinstance(module, Kandinsky6SRUpsample)
         }
+        if narrow_convs is None:
+            on_cuda = next(self.decoder.parameters()).is_cuda
+            narrow_convs = on_cuda and importlib.util.find_spec("triton") is not None
         self._narrow = self._pack_narrow_convs() if narrow_convs else {}
 
     def _check_modules(self) -> None:
@@ -152,18 +158,21 @@ class ChannelsLastDecoder:
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
 
     def _pack_narrow_convs(self) -> dict:
-        """``id(causal conv) -> PackedWeight`` for the 3x3x3 convolutions with few output channels."""
+        """``id(causal conv) -> (PackedWeight, Tiling)`` for the 3x3x3 convolutions with few output
+        channels (padded by 1 in height and width, as every K-VAE 3x3x3 convolution is)."""
         if importlib.util.find_spec("triton") is None:
             raise ValueError("ChannelsLastDecoder(narrow_convs=True) needs Triton, which is not installed")
-        return {
-            id(module): narrow_conv.pack_weight(
-                module.conv.weight.detach(), narrow_conv.default_tiling(module.conv.in_channels).bk
-            )
-            for module in self.decoder.modules()
-            if isinstance(module, Kandinsky6SRCausalConv3d)
-            and module.conv.out_channels <= self.NARROW_CHANNELS
-            and module.conv.kernel_size == (3, 3, 3)
-        }
+        packed = {}
+        for module in self.decoder.modules():
+            if (
+                isinstance(module, Kandinsky6SRCausalConv3d)
+                and module.conv.out_channels <= self.NARROW_CHANNELS
+                and module.conv.kernel_size == (3, 3, 3)
+                and (module.height_pad, module.width_pad) == (1, 1)
+            ):
+                tiling = narrow_conv.fastest_tiling(module.conv.in_channels)
+                packed[id(module)] = narrow_conv.pack_weight(module.conv.weight.detach(), tiling.bk), tiling
+        return packed
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -238,8 +247,9 @@ class ChannelsLastDecoder:
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
-        if id(layer) in self._narrow:
-            return narrow_conv.triton_conv(buffer, self._narrow[id(layer)], (layer.height_pad, layer.width_pad))
+        narrow = self._narrow.get(id(layer))
+        if narrow is not None and narrow[0].packed.device == buffer.device:
+            return narrow_conv.triton_conv(buffer, narrow[0], (1, 1), narrow[1])
         return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
 
     def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
