@@ -91,6 +91,10 @@ def _worker(fn, rank: int, world_size: int, store_port: int, pg_timeout: float, 
 
 
 DEFAULT_PRELOAD: tuple[str, ...] = (
+    # First: the server starts as ``python -c ...`` without ``-P`` under pytest-xdist, so the
+    # checkout root (its working directory) leads its sys.path, and transformers' ``import kernels``
+    # (the PyPI package) would find our ``kernels/``; ``import tilecast`` takes the root off.
+    "tilecast",
     "torch",
     "torch.distributed",
     "torch.distributed.device_mesh",
