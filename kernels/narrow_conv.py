@@ -94,8 +94,8 @@ def reuse_tiling(in_channels: int) -> Tiling:
 def fastest_tiling(in_channels: int) -> Tiling:
     """The tiling measured fastest for a 3x3x3 convolution padded by 1 in height and width
     (``tilecast bench narrow-conv`` on an H100, one K-VAE segment of 512 x 768 pixels): the reuse
-    kernel where its 64-channel reduction block divides the input channels (256 -> 16: 5.5 ms, the plain kernel 12.2, cuDNN 12.4), the plain
-    one below (16 -> 16: 0.75 ms, reuse 0.76, cuDNN 1.61)."""
+    kernel where its 64-channel reduction block divides the input channels (256 -> 16: 5.5 ms, the
+    plain kernel 12.2, cuDNN 12.4), the plain one otherwise (16 -> 16: 0.75 ms, reuse 0.76, cuDNN 1.61)."""
     return reuse_tiling(in_channels) if in_channels % 64 == 0 else default_tiling(in_channels)
 
 

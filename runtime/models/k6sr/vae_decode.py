@@ -119,11 +119,11 @@ class ChannelsLastDecoder:
 
     ``narrow_convs``: run the causal convolutions with at most ``NARROW_CHANNELS`` output channels
     (the full-resolution level's) on ``kernels/narrow_conv.py``'s Triton kernels instead of cuDNN,
-    at ``fastest_tiling`` (2.1-2.3x cuDNN per layer on an H100, 2% of a large tile's decode; ``tilecast bench
-    narrow-conv --decode``). ``None`` (the default): on where the decoder's weights are on a CUDA
-    device and Triton is installed. ``True`` needs Triton (a GPU, or its interpreter on the CPU).
-    A call whose activations are on another device than the packed weights (an offloaded VAE)
-    runs those convolutions on PyTorch's."""
+    at ``fastest_tiling`` (2.1-2.3x cuDNN per layer on an H100; ``tilecast bench narrow-conv
+    --decode``). ``None`` (the default): on where the decoder's weights are on a CUDA device and
+    Triton is installed. ``True`` needs Triton (a GPU, or its interpreter on the CPU). A call whose
+    activations are not on the device the weights were packed on (an offloaded VAE) runs those
+    convolutions on PyTorch's."""
 
     NARROW_CHANNELS = 16
 
