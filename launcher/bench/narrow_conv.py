@@ -8,9 +8,10 @@ real channels), the speed against cuDNN and the PSNR of each side against a floa
 convolution without TF32 (so rounding differences show as they are).
 
 ``decode=True`` adds the decision itself: one large tile's whole decode (64 x 31 x 32 x 48 latents,
-the released K-VAE with seeded random weights) with ``ChannelsLastDecoder`` as it runs today and
-with ``narrow_convs=True``, each in bf16; their PSNR is the first decoder segment's against
-diffusers' float32 decode (cuDNN without TF32).
+the released K-VAE with seeded random weights) with ``ChannelsLastDecoder`` on cuDNN alone
+(``narrow_convs=False``) and with the Triton kernels (``narrow_convs=True``, its default on CUDA),
+each in bf16; their PSNR is the first decoder segment's against diffusers' float32 decode (cuDNN
+without TF32). ``profile_dir`` adds each decode's profile, per decoder level.
 
 A third candidate, ``cudnn-s2d``: the same convolution on the level computed space-to-depth, every
 2x2 block of pixels one pixel with four times the channels (``space_to_depth``). A 3x3 kernel on the
