@@ -247,9 +247,9 @@ class ChannelsLastDecoder:
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
-        narrow = self._narrow.get(id(layer))
-        if narrow is not None and narrow[0].packed.device == buffer.device:
-            return narrow_conv.triton_conv(buffer, narrow[0], (1, 1), narrow[1])
+        packed, tiling = self._narrow.get(id(layer), (None, None))
+        if packed is not None and packed.packed.device == buffer.device:
+            return narrow_conv.triton_conv(buffer, packed, (layer.height_pad, layer.width_pad), tiling)
         return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
 
     def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
