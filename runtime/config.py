@@ -61,6 +61,10 @@ class VaeConfig:
     """Decode with tilecast's channels-last K-VAE decoder (diffusers' weights and arithmetic, about
     2x faster); false: diffusers' own ``Kandinsky6SRVAE.decode``. Spatial-shard decode and a
     streamed or offloaded VAE always use diffusers' decode."""
+    fp8_convs: bool = setting(False, section="vae", pipeline=True)
+    """Run the K-VAE decoder's convolutions wider than 16 channels in FP8 (e4m3, float32
+    accumulation; Hopper GPUs; on ``fast_decode``'s decoder, so refused where that does not run).
+    Opt-in: a faster decode whose output moves (``tilecast bench fp8-conv`` reports by how much)."""
 
     def __post_init__(self) -> None:
         check_declared(self)

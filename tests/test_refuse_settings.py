@@ -88,6 +88,7 @@ SAMPLES = {  # a valid value other than the default, and the flags it needs besi
     "vae.use_parallel_decode": ({"vae": {"use_parallel_decode": True}}, "--vae-config.use-parallel-decode"),
     "vae.parallel_decode_mode": (None, None),  # one choice only: it cannot be set away from its default
     "vae.fast_decode": ({"vae": {"fast_decode": False}}, "--vae-config.fast-decode false"),
+    "vae.fp8_convs": ({"vae": {"fp8_convs": True}}, "--vae-config.fp8-convs"),
     "layerwise_offload_components": ({"layerwise_offload_components": "vae"}, "--layerwise-offload-components vae"),
     "cpu_offload_components": ({"cpu_offload_components": "vae"}, "--cpu-offload-components vae"),
     "dit_offload_prefetch_size": (

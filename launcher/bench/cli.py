@@ -1,7 +1,7 @@
 """``tilecast bench``: benchmarks (not tests), each comparing with its peer in the same run.
 
 The commands only parse flags; each benchmark lives in its own module of this package
-(``k6sr``, ``attention``, ``narrow_conv``, ``step``, ``batching`` with ``peer``, ``placement``, ``scheduler``), imported when its
+(``k6sr``, ``attention``, ``narrow_conv``, ``fp8_conv``, ``step``, ``batching`` with ``peer``, ``placement``, ``scheduler``), imported when its
 command runs, so mounting ``bench_app`` imports no torch. Tables and ``--json-out`` go through
 ``report``.
 """
@@ -53,6 +53,10 @@ def k6sr(
             "its rows carry nabla_density, the kept fraction of blocks).",
         ),
     ] = None,
+    vae_fp8_convs: Annotated[
+        bool,
+        typer.Option("--vae-fp8-convs", help="tilecast's K-VAE decode with FP8 convolutions (--vae-config.fp8-convs)."),
+    ] = False,
     profile: Annotated[
         Optional[Path],
         typer.Option("--profile", help="Also profile one tilecast request per workload; tables into this folder."),
@@ -72,6 +76,7 @@ def k6sr(
             repeats=repeats,
             compile_blocks=compile_blocks,
             attention_backend=attention_backend,
+            vae_fp8_convs=vae_fp8_convs,
             profile_dir=profile,
         )
     except ValueError as exc:
@@ -80,6 +85,7 @@ def k6sr(
         "workload",
         "side",
         "attention",
+        "vae_convs",
         "e2e_s",
         *(f"{s}_s" for s in (*STAGES, "other")),
         "decode_tflops",
@@ -134,6 +140,39 @@ def attention(
     )
     print(f"default backend here: {resolve_backend(None, torch.device('cuda'), torch.bfloat16)}")
     save_json(rows, json_out)
+
+
+@bench_app.command("fp8-conv")
+def fp8_conv(
+    tiling: Annotated[
+        Optional[list[str]],
+        typer.Option("--tiling", help="Also time the FP8 kernel at this tiling (repeatable): BMxBNkBKwWARPSsSTAGES."),
+    ] = None,
+    frames: Annotated[int, typer.Option("--frames", help="Output frames per convolution.")] = 8,
+    iters: Annotated[int, typer.Option("--iters")] = 10,
+    decode: Annotated[
+        bool,
+        typer.Option("--decode", help="Also time one large tile's whole decode in bf16 and with FP8 convolutions."),
+    ] = False,
+    profile: Annotated[
+        Optional[Path],
+        typer.Option("--profile", help="With --decode: also profile each decode (per decoder level); tables here."),
+    ] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
+) -> None:
+    """The K-VAE decoder's wide 3x3x3 convolutions: cuDNN bf16 vs the FP8 kernel (GPU)."""
+    from tilecast.launcher.bench.fp8_conv import bench_fp8_conv
+
+    try:  # a ValueError names the bad tiling, the missing GPU, or --profile without --decode
+        rows = bench_fp8_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _print_rows(
+        rows,
+        ["layer", "kernel", "ms", "tflops", "x_cudnn", "psnr_vs_fp32_db", "quantize_ms", "error"],
+        "K-VAE wide convolutions, bf16 cuDNN vs FP8",
+        json_out,
+    )
 
 
 @bench_app.command("narrow-conv")

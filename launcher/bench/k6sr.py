@@ -320,13 +320,15 @@ def bench_k6sr(
     seed: int = 42,
     compile_blocks: bool = False,
     attention_backend: str | None = None,
+    vae_fp8_convs: bool = False,
     profile_dir: Path | None = None,
 ) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
 
     diffusers runs every workload first, then tilecast installs its fast paths (its attention on
     ``attention_backend``, ``None`` for the fastest dense kernel or ``"nabla"``; its channels-last VAE
-    decode, which makes the decoder's weights channels-last in place; with ``compile_blocks`` the
+    decode, which makes the decoder's weights channels-last in place, with ``vae_fp8_convs`` its wide
+    convolutions in FP8; with ``compile_blocks`` the
     compiled DiT blocks) and runs them again. With ``profile_dir``, one more tilecast request per
     workload runs under the profiler after its timing (``k6sr_<workload>.txt``: kernels, and the
     K-VAE decoder's levels as named ranges)."""
@@ -345,6 +347,10 @@ def bench_k6sr(
     if not torch.cuda.is_available():
         raise ValueError("tilecast bench k6sr needs a CUDA GPU (the released-size model is ~1.5B parameters)")
     device = torch.device("cuda")
+    if vae_fp8_convs:
+        from tilecast.kernels import fp8_conv
+
+        fp8_conv.check_supported(device)
     parts = build_released(device, torch.bfloat16, seed=0)
     timer = StageTimer(parts)
     frames = {name: pattern_video(*WORKLOADS[name]) for name in workloads}
@@ -358,7 +364,7 @@ def bench_k6sr(
                 )
                 torch.cuda.empty_cache()
         install_dense_attention(parts.transformer, backend=attention_backend)
-        parts.decoder = ChannelsLastDecoder(parts.vae)
+        parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=vae_fp8_convs)
         timer.wrap(parts.decoder, "decode", "decode")
         if compile_blocks:
             parts.transformer.compile_repeated_blocks()
@@ -392,6 +398,7 @@ def bench_k6sr(
                 "peak_reserved_gib": m.peak_reserved_gib,
                 "peak_allocated_gib": m.peak_allocated_gib,
                 "attention": (attention_backend or "auto") if side == "tilecast" else "sdpa",
+                "vae_convs": "fp8" if side == "tilecast" and vae_fp8_convs else "bf16",
             }
             if m.nabla_density is not None:
                 row["nabla_density"] = m.nabla_density

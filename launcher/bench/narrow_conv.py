@@ -35,7 +35,8 @@ LAYERS = {"256->16": (256, 16), "16->16": (16, 16), "16->3": (16, 3)}
 """The level's convolutions (all 3x3x3): its first block's ``conv1``, the other convolutions, ``conv_out``."""
 
 
-def _time_ms(call, iters: int) -> float:
+def time_ms(call, iters: int) -> float:
+    """Median GPU milliseconds of ``call`` over ``iters`` CUDA-event timings (after two warm-ups)."""
     return time_repeated(call, repeats=iters, warmup=2, device="cuda", cuda_events=True).median_s * 1e3
 
 
@@ -66,10 +67,14 @@ def bench_narrow_conv(
     rows = []
     for layer, channels in LAYERS.items():
         rows += _layer_rows(layer, *channels, parsed, (frames, height, width), iters, gen)
-    return rows + (_decode_rows(max(1, iters // 5), profile_dir) if decode else [])
+    variants = {"cudnn": dict(narrow_convs=False), "narrow_convs": dict(narrow_convs=True)}
+    return rows + (decode_rows(variants, max(1, iters // 5), profile_dir) if decode else [])
 
 
-def _decode_rows(iters: int, profile_dir: Path | None) -> list[dict]:
+def decode_rows(variants: dict[str, dict], iters: int, profile_dir: Path | None) -> list[dict]:
+    """One large tile's decode by ``ChannelsLastDecoder(vae, **options)`` for each ``name: options``
+    of ``variants`` (the first is the baseline of ``x_cudnn``), bf16, with each one's PSNR against
+    diffusers' float32 decode of the first segment."""
     from diffusers import Kandinsky6SRVAE
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import SEGMENT_FRAMES
 
@@ -87,13 +92,13 @@ def _decode_rows(iters: int, profile_dir: Path | None) -> list[dict]:
         exact = vae.decode(z[:, :, :first_segment], return_dict=False)[0]
     vae, z = vae.to(torch.bfloat16), z.bfloat16()
     rows = []
-    for name, narrow in (("cudnn", False), ("narrow_convs", True)):
-        decoder = ChannelsLastDecoder(vae, narrow_convs=narrow)
+    for name, options in variants.items():
+        decoder = ChannelsLastDecoder(vae, **options)
         timing = time_repeated(functools.partial(decoder.decode, z), repeats=iters, warmup=1, device="cuda")
         ms = timing.median_s * 1e3
         cudnn_ms = rows[0]["ms"] if rows else ms
         out = decoder.decode(z[:, :, :first_segment])
-        rows.append(_row("large tile decode", name, ms, cudnn_ms, None, out, exact))
+        rows.append(layer_row("large tile decode", name, ms, cudnn_ms, None, out, exact))
         if profile_dir is not None:
             profile_call(functools.partial(decoder.decode, z), profile_dir / f"decode-{name}.txt", device="cuda")
     return rows
@@ -108,14 +113,14 @@ def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> 
     weight = weight.bfloat16().contiguous(memory_format=torch.channels_last_3d)
     flops = 2 * frames * height * width * out_channels * in_channels * 27
     expected = exact(x, weight, (1, 1))
-    cudnn_ms = _time_ms(lambda: reference(x, weight, (1, 1)), iters)
-    rows = [_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)]
+    cudnn_ms = time_ms(lambda: reference(x, weight, (1, 1)), iters)
+    rows = [layer_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)]
     if out_channels * 4 >= 16:  # cuDNN on the coarse grid (12 output channels would be no better than 3)
         coarse_x, coarse_weight = space_to_depth(x), space_to_depth_weight(weight)
         coarse_weight = coarse_weight.contiguous(memory_format=torch.channels_last_3d)
-        ms = _time_ms(lambda: reference(coarse_x, coarse_weight, (1, 1)), iters)
+        ms = time_ms(lambda: reference(coarse_x, coarse_weight, (1, 1)), iters)
         out = depth_to_space(reference(coarse_x, coarse_weight, (1, 1)))
-        rows.append(_row(layer, "cudnn-s2d", ms, cudnn_ms, flops, out, expected))
+        rows.append(layer_row(layer, "cudnn-s2d", ms, cudnn_ms, flops, out, expected))
         del coarse_x
     for tiling in [default_tiling(in_channels), reuse_tiling(in_channels), *tilings]:
         packed = pack_weight(weight, tiling.bk)
@@ -124,15 +129,16 @@ def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> 
             return triton_conv(x, packed, (1, 1), tiling)
 
         try:
-            ms = _time_ms(call, iters)
+            ms = time_ms(call, iters)
         except Exception as exc:  # noqa: BLE001 - a tiling that cannot compile (shared memory) is reported
             rows.append({"layer": layer, "kernel": f"triton:{tiling}", "error": str(exc)[:120]})
             continue
-        rows.append(_row(layer, f"triton:{tiling}", ms, cudnn_ms, flops, call(), expected))
+        rows.append(layer_row(layer, f"triton:{tiling}", ms, cudnn_ms, flops, call(), expected))
     return rows
 
 
-def _row(layer: str, kernel: str, ms: float, cudnn_ms: float, flops: int | None, out, exact) -> dict:
+def layer_row(layer: str, kernel: str, ms: float, cudnn_ms: float, flops: int | None, out, exact) -> dict:
+    """A table row: time, TFLOP/s (when ``flops`` is known), speed against cuDNN, PSNR against ``exact``."""
     return {
         "layer": layer,
         "kernel": kernel,

@@ -269,6 +269,7 @@ VIDEO_VAE_REASONS = {
         "--vae-config.use-parallel-decode splits it by rows instead"
     ),
     "vae.fast_decode": "K6 SR's K-VAE only",
+    "vae.fp8_convs": "K6 SR's K-VAE only",
 }
 """Why the video families (Wan, Helios, HunyuanVideo, LTX-2) refuse the other ``--vae-config.*``
 settings (their ``unsupported_reasons``); each honours ``--vae-config.use-parallel-decode``."""

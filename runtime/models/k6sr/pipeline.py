@@ -40,6 +40,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from tilecast.kernels import fp8_conv
 from tilecast.kernels.nabla import NABLA, RING_REFUSAL
 from tilecast.runtime.allowed_files import open_allowed
 from tilecast.runtime.hub import local_dir
@@ -121,6 +122,13 @@ def resize_video(video_BCFHW: torch.Tensor, width: int, height: int) -> torch.Te
     return frames.unflatten(0, (batch, num_frames)).permute(0, 2, 1, 3, 4).clamp(-1, 1)
 
 
+FP8_CONVS_REFUSAL = (
+    "--vae-config.fp8-convs runs on tilecast's channels-last K-VAE decode, which is off here: it needs "
+    "--vae-config.fast-decode, no spatial-shard decode (--vae-config.use-parallel-decode) and the VAE "
+    "neither streamed nor offloaded"
+)
+
+
 class K6SRPipeline(Pipeline):
     """Kandinsky 6 video super-resolution (x2, x4, x2.25) with dense attention."""
 
@@ -177,6 +185,8 @@ class K6SRPipeline(Pipeline):
         if settings.attention_backend == NABLA and settings.ring_degree > 1:
             raise ValueError(RING_REFUSAL)
         dtype = parse_dtype(settings.resolved_dtype)
+        if settings.vae.fp8_convs:
+            fp8_conv.check_supported(torch.device(ctx.device))
         video_io.require_encoders()
         if model_path == TINY_MODEL:
             model_dir = cls.ensure_builtin(ctx.cache_dir)
@@ -193,7 +203,9 @@ class K6SRPipeline(Pipeline):
         pipeline = cls(parts, ctx, model_name=model_path)
         pipeline.placement = apply_placement(parts, ctx)
         if pipeline.fast_decode_applies():
-            parts.decoder = ChannelsLastDecoder(parts.vae)
+            parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=settings.vae.fp8_convs)
+        elif settings.vae.fp8_convs:
+            raise ValueError(FP8_CONVS_REFUSAL)
         if settings.compile:
             parts.transformer.compile_repeated_blocks()  # last: after parallel hooks and placement
         return pipeline

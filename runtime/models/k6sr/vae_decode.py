@@ -64,7 +64,7 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
 from torch import nn
 from torch.profiler import record_function
 
-from tilecast.kernels import narrow_conv
+from tilecast.kernels import fp8_conv, narrow_conv
 from tilecast.kernels.channel_bias import add_bias_
 from tilecast.kernels.spatial_norm import norm_modulate_silu
 from tilecast.kernels.upsample import interleave_phases, repeat_frames
@@ -123,11 +123,16 @@ class ChannelsLastDecoder:
     --decode``). ``None`` (the default): on where the decoder's weights are on a CUDA device and
     Triton is installed. ``True`` needs Triton (a GPU, or its interpreter on the CPU). A call whose
     activations are not on the device the weights were packed on (an offloaded VAE) runs those
-    convolutions on PyTorch's."""
+    convolutions on PyTorch's.
+
+    ``fp8_convs`` (opt-in, ``--vae-config.fp8-convs``): the causal and upsampling convolutions with
+    more than ``NARROW_CHANNELS`` input and output channels in FP8 (``kernels/fp8_conv.py``: e4m3
+    weights scaled per output channel, activations per tensor, float32 accumulation). Needs Triton
+    (Hopper, or its interpreter on the CPU); the output moves (``tilecast bench fp8-conv``)."""
 
     NARROW_CHANNELS = 16
 
-    def __init__(self, vae: nn.Module, *, narrow_convs: bool | None = None) -> None:
+    def __init__(self, vae: nn.Module, *, narrow_convs: bool | None = None, fp8_convs: bool = False) -> None:
         self.decoder = vae.decoder
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
@@ -135,15 +140,29 @@ class ChannelsLastDecoder:
         self._indices: dict[tuple, torch.Tensor | None] = {}
         self._check_modules()
         self._channels_last_weights()
+        if fp8_convs and importlib.util.find_spec("triton") is None:
+            raise ValueError("ChannelsLastDecoder(fp8_convs=True) needs Triton, which is not installed")
         self._phased = {
-            id(module): PhasedUpsample(module)
+            id(module): PhasedUpsample(module, fp8=fp8_convs and self._wide(module.spatial_conv))
             for module in self.decoder.modules()
             if isinstance(module, Kandinsky6SRUpsample)
+        }
+        self._fp8 = {
+            id(module): fp8_conv.pack_weight(module.conv.weight)
+            for module in self.decoder.modules()
+            if fp8_convs and isinstance(module, Kandinsky6SRCausalConv3d) and self._wide(module.conv)
         }
         if narrow_convs is None:
             on_cuda = next(self.decoder.parameters()).is_cuda
             narrow_convs = on_cuda and importlib.util.find_spec("triton") is not None
         self._narrow = self._pack_narrow_convs() if narrow_convs else {}
+
+    @classmethod
+    def _wide(cls, layer: nn.Conv3d) -> bool:
+        """Whether ``fp8_convs`` takes ``layer``: more than ``NARROW_CHANNELS`` channels in and out,
+        counts ``fp8_conv`` takes."""
+        channels = (layer.in_channels, layer.out_channels)
+        return min(channels) > cls.NARROW_CHANNELS and fp8_conv.channels_fit(*channels)
 
     def _check_modules(self) -> None:
         for name, module in self.decoder.named_modules():
@@ -247,6 +266,9 @@ class ChannelsLastDecoder:
             else:
                 buffer[:, :pad] = self._carried[id(layer)]
             self._carried[id(layer)] = buffer[:, -pad:].clone()
+        fp8 = self._fp8.get(id(layer))
+        if fp8 is not None and fp8.q_NK.device == buffer.device:
+            return fp8_conv.fp8_conv(buffer, fp8, (layer.height_pad, layer.width_pad))
         packed, tiling = self._narrow.get(id(layer), (None, None))
         if packed is not None and packed.packed.device == buffer.device:
             return narrow_conv.triton_conv(buffer, packed, (layer.height_pad, layer.width_pad), tiling)
@@ -354,13 +376,14 @@ class PhasedUpsample:
     ``(2a + b) C .. (2a + b + 1) C``. The linear ``L`` distributes over the sum (``L (x + W * x) =
     L x + (L W) * x``): its product with the taps is the weight, ``L`` itself joins the tap that
     reads ``(i, j)`` (row ``1 - a``, column ``1 - b``), and the bias is ``L b_spatial + b_linear``.
-    The weights are combined once, in float32 (float64 for a float64 layer), and rounded to the layer's dtype."""
+    The weights are combined once, in float32 (float64 for a float64 layer), and rounded to the layer's
+    dtype. ``fp8``: the 2x2 convolution in FP8 (``kernels/fp8_conv.py``), from the rounded weights."""
 
     SUMS = ((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1))
     """``SUMS[a][r][k]``: 1 where tap ``r`` of phase ``a``'s 2x2 kernel sums row ``k`` of the 3x3 kernel
     (columns alike)."""
 
-    def __init__(self, upsample: Kandinsky6SRUpsample) -> None:
+    def __init__(self, upsample: Kandinsky6SRUpsample, *, fp8: bool = False) -> None:
         spatial, linear = upsample.spatial_conv, upsample.linear
         if spatial.kernel_size != (1, 3, 3) or spatial.padding != (0, 1, 1) or spatial.stride != (1, 1, 1):
             raise ValueError(
@@ -383,7 +406,10 @@ class PhasedUpsample:
         if linear.bias is not None:
             bias = bias + linear.bias.detach().to(work)
         self.bias = bias.to(dtype)
+        self.fp8 = fp8_conv.pack_weight(self.weight) if fp8 else None
 
     def __call__(self, x_BTHWC: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None and self.fp8.q_NK.device == x_BTHWC.device:
+            return interleave_phases(fp8_conv.fp8_conv(x_BTHWC, self.fp8, (1, 1)), self.bias)
         y_BCTHW = F.conv3d(_as_ncdhw(x_BTHWC), self.weight, None, 1, (0, 1, 1))
         return interleave_phases(y_BCTHW.permute(0, 2, 3, 4, 1), self.bias)  # (B, T, H + 1, W + 1, 4 C) -> 2x grid
