@@ -134,15 +134,52 @@ def test_serve_refuses_an_unknown_quantize_mode_naming_it():
     assert result.exit_code == 2 and "--quantize must be one of fp8, got 'int4'" in " ".join(result.output.split())
 
 
-def test_k6sr_refuses_quantize_instead_of_ignoring_it(tmp_path):
+def test_k6sr_fp8_quantizes_the_block_projections_and_feed_forward_and_stays_close():
+    """K6 SR's ``--quantize fp8``: every block's query/key/value/output projections and feed forward
+    become ``Fp8Linear``, the modulation, embeddings and output layer stay; the DiT's output stays
+    near the unquantized one (tiny checkpoint's transformer, float32 on the CPU)."""
+    from tests.test_dit_parallel import _tiny_dit
+    from tilecast.launcher.bench.report import psnr_db
+    from tilecast.runtime.models.k6sr.quantize import quantize_blocks
+
+    model, hidden_states, timestep = _tiny_dit()
+    with torch.no_grad():
+        reference = model(hidden_states, timestep).sample
+        assert quantize_blocks(model) == 2 * 6
+        out = model(hidden_states, timestep).sample
+    quantized = {name for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    layers = ("to_query", "to_key", "to_value", "out_layer")
+    assert quantized == {
+        f"visual_transformer_blocks.{i}.{n}"
+        for i in range(2)
+        for n in (*(f"self_attention.{layer}" for layer in layers), "feed_forward.net.0.proj", "feed_forward.net.2")
+    }
+    kept = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    assert {"visual_transformer_blocks.0.visual_modulation.out_layer", "out_layer.out_layer"} <= kept
+    assert not torch.equal(out, reference)
+    assert psnr_db(out, reference) >= 35.0
+
+
+def test_k6sr_fp8_is_refused_where_it_cannot_be_honoured(tmp_path, monkeypatch):
+    """At load, before any weight: no FP8 tensor cores, or a setting that rewrites the same layers."""
     from tests.harness import make_context
+    from tilecast.kernels import fp8 as fp8_module
     from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 
-    ctx = make_context(tmp_path, dtype="float32", quantize="fp8")
-    with pytest.raises(
-        ValueError, match=r"--quantize fp8 \(its DiT is attention-bound.*\) is not supported by tiny/k6sr"
-    ):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    ctx = make_context(tmp_path, device="cuda", dtype="bfloat16", quantize="fp8", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"compute capability >= 8.9.*A100 is 8.0"):
         K6SRPipeline.load("tiny/k6sr", ctx)
+    monkeypatch.setattr(fp8_module, "check_supported", lambda device: None)
+    for fields, named in (
+        ({"tp_size": 2, "num_gpus": 2}, "--tp-size"),
+        ({"cpu_offload_components": "transformer"}, "an offloaded transformer"),
+    ):
+        ctx = make_context(tmp_path, dtype="float32", quantize="fp8", cache_dir=tmp_path, **fields)
+        with pytest.raises(ValueError, match=rf"--quantize fp8 replaces K6 SR's DiT linear layers, which {named}"):
+            K6SRPipeline.load("tiny/k6sr", ctx)
+    assert not (tmp_path / "models").exists()
 
 
 def test_bench_step_reports_the_fp8_difference(tiny_cache):

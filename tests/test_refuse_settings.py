@@ -191,14 +191,12 @@ def test_every_video_family_honours_the_parallel_decode(model):
 
 
 def test_the_refusal_lists_every_unsupported_setting_and_the_reasons():
-    config = _config({"quantize": "fp8", "cuda_graphs": True, "device": "cuda"})
+    config = _config({"cuda_graphs": True, "transformer_weights_path": "/w.safetensors", "device": "cuda"})
     with pytest.raises(ValueError) as info:
         K6SRPipeline.check_settings(config, "tiny/k6sr")
     message = str(info.value)
-    assert message.startswith(
-        "--quantize fp8 (its DiT is attention-bound, so its linear layers run in --dtype); "
-        "--cuda-graphs (one DiT call is seconds of GPU work"
-    )
+    assert message.startswith("--transformer-weights-path /w.safetensors")
+    assert "; --cuda-graphs (one DiT call is seconds of GPU work" in message
     assert "are not supported by tiny/k6sr (k6sr honours: --dtype, --tp-size" in message
 
 

@@ -57,6 +57,9 @@ def k6sr(
         bool,
         typer.Option("--vae-fp8-convs", help="tilecast's K-VAE decode with FP8 convolutions (--vae-config.fp8-convs)."),
     ] = False,
+    quantize: Annotated[
+        Optional[str], typer.Option("--quantize", help="fp8: tilecast's DiT blocks' linear layers in FP8 (as serve's).")
+    ] = None,
     profile: Annotated[
         Optional[Path],
         typer.Option("--profile", help="Also profile one tilecast request per workload; tables into this folder."),
@@ -77,6 +80,7 @@ def k6sr(
             compile_blocks=compile_blocks,
             attention_backend=attention_backend,
             vae_fp8_convs=vae_fp8_convs,
+            quantize=quantize,
             profile_dir=profile,
         )
     except ValueError as exc:
@@ -86,6 +90,7 @@ def k6sr(
         "side",
         "attention",
         "vae_convs",
+        "dit_linears",
         "e2e_s",
         *(f"{s}_s" for s in (*STAGES, "other")),
         "decode_tflops",

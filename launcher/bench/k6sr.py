@@ -321,6 +321,7 @@ def bench_k6sr(
     compile_blocks: bool = False,
     attention_backend: str | None = None,
     vae_fp8_convs: bool = False,
+    quantize: str | None = None,
     profile_dir: Path | None = None,
 ) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
@@ -328,11 +329,13 @@ def bench_k6sr(
     diffusers runs every workload first, then tilecast installs its fast paths (its attention on
     ``attention_backend``, ``None`` for the fastest dense kernel or ``"nabla"``; its channels-last VAE
     decode, which makes the decoder's weights channels-last in place, with ``vae_fp8_convs`` its wide
-    convolutions in FP8; with ``compile_blocks`` the
+    convolutions in FP8; with ``quantize`` ``"fp8"`` FP8 linear layers in the DiT blocks; with ``compile_blocks`` the
     compiled DiT blocks) and runs them again. With ``profile_dir``, one more tilecast request per
     workload runs under the profiler after its timing (``k6sr_<workload>.txt``: kernels, and the
     K-VAE decoder's levels as named ranges)."""
+    from tilecast.runtime.config import check_quantize
     from tilecast.runtime.models.k6sr.attention import install_dense_attention
+    from tilecast.runtime.models.k6sr.quantize import quantize_blocks
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
     if not isinstance(repeats, int) or repeats < 1:
@@ -351,6 +354,11 @@ def bench_k6sr(
         from tilecast.kernels import fp8_conv
 
         fp8_conv.check_supported(device)
+    check_quantize(quantize)
+    if quantize is not None:
+        from tilecast.kernels import fp8
+
+        fp8.check_supported(device)
     parts = build_released(device, torch.bfloat16, seed=0)
     timer = StageTimer(parts)
     frames = {name: pattern_video(*WORKLOADS[name]) for name in workloads}
@@ -364,6 +372,8 @@ def bench_k6sr(
                 )
                 torch.cuda.empty_cache()
         install_dense_attention(parts.transformer, backend=attention_backend)
+        if quantize == "fp8":
+            quantize_blocks(parts.transformer)
         parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=vae_fp8_convs)
         timer.wrap(parts.decoder, "decode", "decode")
         if compile_blocks:
@@ -399,6 +409,7 @@ def bench_k6sr(
                 "peak_allocated_gib": m.peak_allocated_gib,
                 "attention": (attention_backend or "auto") if side == "tilecast" else "sdpa",
                 "vae_convs": "fp8" if side == "tilecast" and vae_fp8_convs else "bf16",
+                "dit_linears": (quantize or "bf16") if side == "tilecast" else "bf16",
             }
             if m.nabla_density is not None:
                 row["nabla_density"] = m.nabla_density

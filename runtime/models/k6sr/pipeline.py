@@ -44,7 +44,7 @@ from tilecast.kernels import fp8_conv
 from tilecast.kernels.nabla import NABLA, RING_REFUSAL
 from tilecast.runtime.allowed_files import open_allowed
 from tilecast.runtime.hub import local_dir
-from tilecast.runtime.models.k6sr import video_io
+from tilecast.runtime.models.k6sr import quantize, video_io
 from tilecast.runtime.models.k6sr.attention import install_dense_attention, nabla_density, reset_nabla_stats
 from tilecast.runtime.models.k6sr.dit_parallel import apply_dit_parallel, dit_groups_from_mesh
 from tilecast.runtime.models.k6sr.loading import K6SRComponents, load_components, parse_dtype
@@ -156,11 +156,11 @@ class K6SRPipeline(Pipeline):
             "dit_offload_prefetch_size",
             "dit_layerwise_resident_layers",
             "use_fsdp_inference",
+            "quantize",
         }
     )
     model_attention_backends: ClassVar[frozenset[str]] = frozenset({NABLA})
     unsupported_reasons: ClassVar[dict[str, str]] = {
-        "quantize": "its DiT is attention-bound, so its linear layers run in --dtype",
         "cuda_graphs": "one DiT call is seconds of GPU work, so there is no launch overhead to remove",
     }
 
@@ -187,6 +187,8 @@ class K6SRPipeline(Pipeline):
         dtype = parse_dtype(settings.resolved_dtype)
         if settings.vae.fp8_convs:
             fp8_conv.check_supported(torch.device(ctx.device))
+        if settings.quantize == "fp8":
+            quantize.check(settings, torch.device(ctx.device))
         video_io.require_encoders()
         if model_path == TINY_MODEL:
             model_dir = cls.ensure_builtin(ctx.cache_dir)
@@ -201,6 +203,8 @@ class K6SRPipeline(Pipeline):
             if any(group is not None for group in groups.values()):
                 apply_dit_parallel(parts.transformer, **groups, backend=settings.attention_backend)
         pipeline = cls(parts, ctx, model_name=model_path)
+        if settings.quantize == "fp8":
+            quantize.quantize_blocks(parts.transformer)
         pipeline.placement = apply_placement(parts, ctx)
         if pipeline.fast_decode_applies():
             parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=settings.vae.fp8_convs)
