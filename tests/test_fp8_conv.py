@@ -151,3 +151,21 @@ def test_fp8_conv_on_the_gpu_in_bf16(tiling):
     expected = fp8_conv.reference(x, packed, (1, 1))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+def test_benches_refuse_bad_options_before_needing_a_gpu():
+    """``bench fp8-conv`` names a bad tiling and ``--profile`` without ``--decode``; ``bench k6sr``
+    names ``--default-too`` without an opt-in to compare and an unknown ``--quantize``."""
+    from typer.testing import CliRunner
+
+    from tilecast.launcher import cli
+
+    runner = CliRunner()
+    for args, message in (
+        (["fp8-conv", "--tiling", "128x96k128w8s3"], "bn must be a power of two"),
+        (["fp8-conv", "--profile", "p"], "--profile profiles the whole-tile decodes"),
+        (["k6sr", "--default-too", "--peer", "none"], "--default-too compares tilecast's defaults with an opt-in"),
+        (["k6sr", "--quantize", "int4", "--peer", "none"], "--quantize must be one of fp8, got 'int4'"),
+    ):
+        result = runner.invoke(cli.app, ["bench", *args])
+        assert result.exit_code != 0 and message in " ".join(result.output.replace("│", " ").split()), result.output

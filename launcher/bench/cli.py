@@ -60,6 +60,13 @@ def k6sr(
     quantize: Annotated[
         Optional[str], typer.Option("--quantize", help="fp8: tilecast's DiT blocks' linear layers in FP8 (as serve's).")
     ] = None,
+    default_too: Annotated[
+        bool,
+        typer.Option(
+            "--default-too",
+            help="With an opt-in: also time tilecast's defaults in the same run (PSNR of the opt-in against them).",
+        ),
+    ] = False,
     profile: Annotated[
         Optional[Path],
         typer.Option("--profile", help="Also profile one tilecast request per workload; tables into this folder."),
@@ -81,6 +88,7 @@ def k6sr(
             attention_backend=attention_backend,
             vae_fp8_convs=vae_fp8_convs,
             quantize=quantize,
+            default_too=default_too,
             profile_dir=profile,
         )
     except ValueError as exc:
@@ -97,6 +105,7 @@ def k6sr(
         "peak_reserved_gib",
         "ratio_vs_diffusers",
         "psnr_vs_diffusers_db",
+        *(["psnr_vs_default_db"] if default_too else []),
         *(["nabla_density"] if any("nabla_density" in row for row in rows) else []),
     ]
     _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)

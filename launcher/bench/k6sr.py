@@ -322,6 +322,7 @@ def bench_k6sr(
     attention_backend: str | None = None,
     vae_fp8_convs: bool = False,
     quantize: str | None = None,
+    default_too: bool = False,
     profile_dir: Path | None = None,
 ) -> list[dict]:
     """Run each workload on both sides; returns one row per (workload, side).
@@ -332,7 +333,9 @@ def bench_k6sr(
     convolutions in FP8; with ``quantize`` ``"fp8"`` FP8 linear layers in the DiT blocks; with ``compile_blocks`` the
     compiled DiT blocks) and runs them again. With ``profile_dir``, one more tilecast request per
     workload runs under the profiler after its timing (``k6sr_<workload>.txt``: kernels, and the
-    K-VAE decoder's levels as named ranges)."""
+    K-VAE decoder's levels as named ranges). ``default_too`` (with an opt-in: ``attention_backend``,
+    ``vae_fp8_convs``, ``quantize``) first runs tilecast with its defaults too, side
+    ``tilecast-default``, and the opt-in rows add their PSNR against it."""
     from tilecast.runtime.config import check_quantize
     from tilecast.runtime.models.k6sr.attention import install_dense_attention
     from tilecast.runtime.models.k6sr.quantize import quantize_blocks
@@ -343,6 +346,10 @@ def bench_k6sr(
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"--workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
+    opt_ins = attention_backend is not None or vae_fp8_convs or quantize is not None
+    if default_too and not opt_ins:
+        raise ValueError("--default-too compares tilecast's defaults with an opt-in: pass one (e.g. --quantize fp8)")
+    check_quantize(quantize)
     if attention_backend is not None:
         from tilecast.kernels import capabilities
 
@@ -354,7 +361,6 @@ def bench_k6sr(
         from tilecast.kernels import fp8_conv
 
         fp8_conv.check_supported(device)
-    check_quantize(quantize)
     if quantize is not None:
         from tilecast.kernels import fp8
 
@@ -371,35 +377,40 @@ def bench_k6sr(
                     "diffusers", name, functools.partial(run_diffusers, parts, frames[name], seed), timer, repeats
                 )
                 torch.cuda.empty_cache()
-        install_dense_attention(parts.transformer, backend=attention_backend)
-        if quantize == "fp8":
-            quantize_blocks(parts.transformer)
-        parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=vae_fp8_convs)
-        timer.wrap(parts.decoder, "decode", "decode")
-        if compile_blocks:
-            parts.transformer.compile_repeated_blocks()
-        for name in workloads:
-            measured[name, "tilecast"] = _measure(
-                "tilecast",
-                name,
-                functools.partial(run_tilecast, parts, frames[name], seed),
-                timer,
-                repeats,
-                transformer=parts.transformer,
-            )
-            if profile_dir is not None:
-                request = functools.partial(run_tilecast, parts, frames[name], seed)
-                profile_call(request, Path(profile_dir) / f"k6sr_{name}.txt", device=device)
-            torch.cuda.empty_cache()
+        sides = {"tilecast-default": {}} if default_too else {}
+        sides["tilecast"] = dict(backend=attention_backend, fp8_convs=vae_fp8_convs, quantize=quantize)
+        for side, options in sides.items():  # the defaults first: quantizing is one-way
+            install_dense_attention(parts.transformer, backend=options.get("backend"))
+            if options.get("quantize") == "fp8":
+                quantize_blocks(parts.transformer)
+            parts.decoder = ChannelsLastDecoder(parts.vae, fp8_convs=options.get("fp8_convs", False))
+            timer.wrap(parts.decoder, "decode", "decode")
+            if compile_blocks:
+                parts.transformer.compile_repeated_blocks()
+            for name in workloads:
+                measured[name, side] = _measure(
+                    side,
+                    name,
+                    functools.partial(run_tilecast, parts, frames[name], seed),
+                    timer,
+                    repeats,
+                    transformer=parts.transformer,
+                )
+                if profile_dir is not None:
+                    request = functools.partial(run_tilecast, parts, frames[name], seed)
+                    profile_call(request, Path(profile_dir) / f"k6sr_{name}_{side}.txt", device=device)
+                torch.cuda.empty_cache()
     finally:
         timer.close()
     rows = []
     for name in workloads:
         reference = measured.get((name, "diffusers"))
-        for side in ("diffusers", "tilecast"):
+        default = measured.get((name, "tilecast-default"))
+        for side in ("diffusers", "tilecast-default", "tilecast"):
             m = measured.get((name, side))
             if m is None:
                 continue
+            opt_in = side == "tilecast"
             row = {
                 "workload": name,
                 "side": side,
@@ -407,20 +418,22 @@ def bench_k6sr(
                 **{f"{k}_s": v for k, v in m.stages_s.items()},
                 "peak_reserved_gib": m.peak_reserved_gib,
                 "peak_allocated_gib": m.peak_allocated_gib,
-                "attention": (attention_backend or "auto") if side == "tilecast" else "sdpa",
-                "vae_convs": "fp8" if side == "tilecast" and vae_fp8_convs else "bf16",
-                "dit_linears": (quantize or "bf16") if side == "tilecast" else "bf16",
+                "attention": "sdpa" if side == "diffusers" else (attention_backend if opt_in else None) or "auto",
+                "vae_convs": "fp8" if opt_in and vae_fp8_convs else "bf16",
+                "dit_linears": (quantize if opt_in else None) or "bf16",
             }
             if m.nabla_density is not None:
                 row["nabla_density"] = m.nabla_density
-            if side == "tilecast" and m.decoded and m.stages_s.get("decode"):
+            if side != "diffusers" and m.decoded and m.stages_s.get("decode"):
                 flops = decode_flops(parts.vae, list(m.decoded))
                 row["decode_tflop"] = flops / 1e12
                 row["decode_tflops"] = flops / m.stages_s["decode"] / 1e12
-            if side == "tilecast" and reference is not None:
+            if side != "diffusers" and reference is not None:
                 row["ratio_vs_diffusers"] = ratio(m.e2e_s, reference.e2e_s)
                 row["psnr_vs_diffusers_db"] = (
                     psnr_db(m.output, reference.output, peak=1.0) if m.output.shape == reference.output.shape else None
                 )
+            if opt_in and default is not None:
+                row["psnr_vs_default_db"] = psnr_db(m.output, default.output, peak=1.0)
             rows.append(row)
     return rows
