@@ -156,6 +156,26 @@ def attention(
     save_json(rows, json_out)
 
 
+DecodeOption = Annotated[
+    bool, typer.Option("--decode", help="Also time one large tile's whole decode both ways (same run).")
+]
+DecodeProfileOption = Annotated[
+    Optional[Path],
+    typer.Option("--profile", help="With --decode: also profile each decode (per decoder level); tables here."),
+]
+ConvColumns = ["layer", "kernel", "ms", "tflops", "x_cudnn", "psnr_vs_fp32_db"]
+
+
+def _conv_bench(run, columns: list[str], title: str, json_out: Optional[Path]) -> None:
+    """Run a convolution bench (``run()``: its rows) and print them; a ``ValueError`` (a bad tiling,
+    no GPU, ``--profile`` without ``--decode``) is a bad parameter."""
+    try:
+        rows = run()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _print_rows(rows, [*columns, "error"], title, json_out)
+
+
 @bench_app.command("fp8-conv")
 def fp8_conv(
     tiling: Annotated[
@@ -164,26 +184,16 @@ def fp8_conv(
     ] = None,
     frames: Annotated[int, typer.Option("--frames", help="Output frames per convolution.")] = 8,
     iters: Annotated[int, typer.Option("--iters")] = 10,
-    decode: Annotated[
-        bool,
-        typer.Option("--decode", help="Also time one large tile's whole decode in bf16 and with FP8 convolutions."),
-    ] = False,
-    profile: Annotated[
-        Optional[Path],
-        typer.Option("--profile", help="With --decode: also profile each decode (per decoder level); tables here."),
-    ] = None,
+    decode: DecodeOption = False,
+    profile: DecodeProfileOption = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """The K-VAE decoder's wide 3x3x3 convolutions: cuDNN bf16 vs the FP8 kernel (GPU)."""
     from tilecast.launcher.bench.fp8_conv import bench_fp8_conv
 
-    try:  # a ValueError names the bad tiling, the missing GPU, or --profile without --decode
-        rows = bench_fp8_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    _print_rows(
-        rows,
-        ["layer", "kernel", "ms", "tflops", "x_cudnn", "psnr_vs_fp32_db", "quantize_ms", "error"],
+    _conv_bench(
+        lambda: bench_fp8_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile),
+        [*ConvColumns, "quantize_ms"],
         "K-VAE wide convolutions, bf16 cuDNN vs FP8",
         json_out,
     )
@@ -203,26 +213,16 @@ def narrow_conv(
         Optional[int], typer.Option("--frames", help="Output frames (default: one decoder segment).")
     ] = None,
     iters: Annotated[int, typer.Option("--iters")] = 10,
-    decode: Annotated[
-        bool,
-        typer.Option("--decode", help="Also time one large tile's whole decode with cuDNN and with the Triton kernel."),
-    ] = False,
-    profile: Annotated[
-        Optional[Path],
-        typer.Option("--profile", help="With --decode: also profile each decode (per decoder level); tables here."),
-    ] = None,
+    decode: DecodeOption = False,
+    profile: DecodeProfileOption = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:
     """The K-VAE decoder's full-resolution convolutions (16 and 3 output channels): cuDNN vs Triton."""
     from tilecast.launcher.bench.narrow_conv import bench_narrow_conv
 
-    try:  # a ValueError names the bad tiling, the missing GPU, or --profile without --decode
-        rows = bench_narrow_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    _print_rows(
-        rows,
-        ["layer", "kernel", "ms", "tflops", "x_cudnn", "psnr_vs_fp32_db", "error"],
+    _conv_bench(
+        lambda: bench_narrow_conv(list(tiling or []), frames=frames, iters=iters, decode=decode, profile_dir=profile),
+        ConvColumns,
         "K-VAE full-resolution convolutions, one segment of a large tile (bf16)",
         json_out,
     )

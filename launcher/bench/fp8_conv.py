@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tilecast.launcher.bench.narrow_conv import decode_rows, layer_row, time_ms
+from tilecast.launcher.bench.narrow_conv import cudnn_case, decode_rows, layer_row, time_ms
 
 LEVELS = {"2048 @ 32x48": (2048, 32, 48), "1024 @ 64x96": (1024, 64, 96), "512 @ 128x192": (512, 128, 192)}
 LEVELS["256 @ 256x384"] = (256, 256, 384)
@@ -54,16 +54,9 @@ def bench_fp8_conv(
 
 def _level_rows(level, channels, size, tilings, iters, gen) -> list[dict]:
     from tilecast.kernels import fp8_conv
-    from tilecast.kernels.narrow_conv import exact, reference
 
-    frames, height, width = size
-    x = torch.randn(1, frames + 2, height, width, channels, device="cuda", generator=gen).bfloat16()
-    weight = torch.randn(channels, channels, 3, 3, 3, device="cuda", generator=gen) / (27 * channels) ** 0.5
-    weight = weight.bfloat16().contiguous(memory_format=torch.channels_last_3d)
-    flops = 2 * frames * height * width * channels * channels * 27
-    expected = exact(x, weight, (1, 1))
-    cudnn_ms = time_ms(lambda: reference(x, weight, (1, 1)), iters)
-    rows = [layer_row(level, "cudnn bf16", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)]
+    x, weight, flops, expected, cudnn_row = cudnn_case(level, channels, channels, size, iters, gen)
+    cudnn_ms, rows = cudnn_row["ms"], [{**cudnn_row, "kernel": "cudnn bf16"}]
     packed = fp8_conv.pack_weight(weight)
     quantize_ms = time_ms(lambda: fp8_conv.quantize_padded(x, (1, 1)), iters)
     for tiling in tilings:

@@ -104,8 +104,11 @@ def decode_rows(variants: dict[str, dict], iters: int, profile_dir: Path | None)
     return rows
 
 
-def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> list[dict]:
-    from tilecast.kernels.narrow_conv import default_tiling, exact, pack_weight, reference, reuse_tiling, triton_conv
+def cudnn_case(layer: str, in_channels: int, out_channels: int, size, iters: int, gen):
+    """A random 3x3x3 convolution padded by 1 as the decoder runs it (bf16, channels-last input of
+    ``size`` output frames with two causal frames in front, channels-last weight) and its cuDNN row:
+    ``(x, weight, flops, float32 result, row)``."""
+    from tilecast.kernels.narrow_conv import exact, reference
 
     frames, height, width = size
     x = torch.randn(1, frames + 2, height, width, in_channels, device="cuda", generator=gen).bfloat16()
@@ -114,7 +117,15 @@ def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> 
     flops = 2 * frames * height * width * out_channels * in_channels * 27
     expected = exact(x, weight, (1, 1))
     cudnn_ms = time_ms(lambda: reference(x, weight, (1, 1)), iters)
-    rows = [layer_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)]
+    row = layer_row(layer, "cudnn", cudnn_ms, cudnn_ms, flops, reference(x, weight, (1, 1)), expected)
+    return x, weight, flops, expected, row
+
+
+def _layer_rows(layer, in_channels, out_channels, tilings, size, iters, gen) -> list[dict]:
+    from tilecast.kernels.narrow_conv import default_tiling, pack_weight, reference, reuse_tiling, triton_conv
+
+    x, weight, flops, expected, cudnn_row = cudnn_case(layer, in_channels, out_channels, size, iters, gen)
+    cudnn_ms, rows = cudnn_row["ms"], [cudnn_row]
     if out_channels * 4 >= 16:  # cuDNN on the coarse grid (12 output channels would be no better than 3)
         coarse_x, coarse_weight = space_to_depth(x), space_to_depth_weight(weight)
         coarse_weight = coarse_weight.contiguous(memory_format=torch.channels_last_3d)
