@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -234,6 +235,8 @@ def _measure(
     best = timing.median_low_index
     stages = dict(stage_runs[best])
     stages["other"] = timing.calls_s[best] - sum(stages.values())
+    times = ", ".join(f"{name} {seconds:.2f}" for name, seconds in stages.items())
+    print(f"k6sr {workload} {side}: {timing.calls_s[best]:.2f} s ({times})", file=sys.stderr, flush=True)  # as it goes
     return Measurement(
         side=side,
         workload=workload,
