@@ -80,30 +80,37 @@ def test_bad_tilings_and_channels_are_refused_naming_them():
 
 def test_decode_with_fp8_convs_runs_every_wide_convolution_through_the_kernel(monkeypatch):
     """``ChannelsLastDecoder(fp8_convs=True)`` on a VAE with 32-channel levels: every causal and
-    upsampling convolution wider than 16 channels runs ``fp8_conv`` (the output equals the decode
-    with each of them replaced by its float32 ``reference``), the rest as before, and the result
-    stays near diffusers' float32 decode (random weights: about 35 dB)."""
+    upsampling convolution wider than 16 channels runs ``fp8_conv``, each call within float32
+    summation of its ``reference`` on the same input (compared call by call: a decode-wide
+    comparison would amplify rounding flips of the next layers' quantization), and the result
+    stays near diffusers' float32 decode (random weights: about 35 dB). On the GPU the tolerance is
+    Hopper's: its e4m3 products accumulate with fewer than float32's bits."""
     from tests.test_vae_decode import make_vae
     from tilecast.launcher.bench.report import psnr_db
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
 
     vae = make_vae(seed=3, decoder_block_out_channels=(32, 32, 32, 32, 32)).to(DEVICE)
     z = torch.randn(1, vae.config.latent_channels, 2, 1, 2, device=DEVICE)
-    with torch.no_grad():
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         exact = vae.decode(z, return_dict=False)[0]
     decoder = ChannelsLastDecoder(vae, fp8_convs=True)
     convs = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.kernel_size != (1, 1, 1)]
     wide = [m for m in convs if ChannelsLastDecoder._wide(m)]  # the upsamplers' 1x1 linears fold into the 2x2
     assert len(decoder._fp8) + sum(p.fp8 is not None for p in decoder._phased.values()) == len(wide)
-    calls = []
+    errors = []
     run = fp8_conv.fp8_conv
-    monkeypatch.setattr(fp8_conv, "fp8_conv", lambda x, w, pad: calls.append(w) or run(x, w, pad))
-    got = decoder.decode(z)
-    assert len(calls) == len(wide)  # one segment: each wide layer once
-    monkeypatch.setattr(fp8_conv, "fp8_conv", lambda x, w, pad: fp8_conv.reference(x, w, pad).to(x.dtype))
-    expected = decoder.decode(z)
-    # Summation order may flip a rare e4m3 rounding of a later layer's input (one step, about 6%).
-    assert psnr_db(got, expected) > 70
+
+    def checked(x, weight, padding):
+        out = run(x, weight, padding)
+        expected = fp8_conv.reference(x, weight, padding)
+        errors.append(((out.float() - expected).abs().max() / expected.abs().max()).item())
+        return out
+
+    monkeypatch.setattr(fp8_conv, "fp8_conv", checked)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        got = decoder.decode(z)
+    assert len(errors) == len(wide)  # one segment: each wide layer once
+    assert max(errors) <= (1e-3 if DEVICE == "cuda" else 1e-5), errors
     assert 30 < psnr_db(got, exact) < 50
 
 
