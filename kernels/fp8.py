@@ -17,6 +17,7 @@ Shape legend: ``M`` rows (tokens), ``K`` input features, ``N`` output features.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -40,16 +41,43 @@ def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_MK, scale_M1
 
 
-def check_supported(device: torch.device) -> None:
-    """Raise ``ValueError`` naming why FP8 matmuls cannot run on ``device`` (CPU runs them, slowly)."""
-    if device.type == "cuda":
+@functools.cache
+def cpu_scaled_mm_error(out_dtype: torch.dtype = torch.float32) -> str | None:
+    """``None`` where this PyTorch runs ``Fp8Linear``'s row-scaled ``_scaled_mm`` (with a bias) on the
+    CPU into ``out_dtype``, else the first line of its error (not every release has that CPU path)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(
+            a,
+            a.t(),
+            scale_a=torch.ones(16, 1),
+            scale_b=torch.ones(1, 16),
+            bias=torch.zeros(16, dtype=out_dtype),
+            out_dtype=out_dtype,
+        )
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def check_supported(device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """Raise ``ValueError`` naming why FP8 matmuls cannot run on ``device`` (CPU runs them, slowly,
+    where this PyTorch has the CPU path, for activations of ``dtype``)."""
+    if device.type == "cpu":
+        error = cpu_scaled_mm_error(dtype)
+        if error is not None:
+            raise ValueError(
+                f"--quantize fp8 on the CPU needs PyTorch's CPU torch._scaled_mm with row scales, which "
+                f"torch {torch.__version__} refuses for {dtype}: {error}"
+            )
+    elif device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CUDA_CAPABILITY:
             raise ValueError(
                 f"--quantize fp8 needs FP8 tensor cores (compute capability >= 8.9); "
                 f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
             )
-    elif device.type != "cpu":
+    else:
         raise ValueError(f"--quantize fp8 runs on cuda or cpu, not {device.type}")
 
 

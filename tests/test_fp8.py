@@ -10,6 +10,7 @@ it, so the FP8 layers really ran.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,13 @@ from tilecast.kernels.fp8 import E4M3_MAX, Fp8Linear, quantize_linears, quantize
 from tilecast.runtime.config import ServeConfig
 
 
+def needs_cpu_fp8(dtype: torch.dtype = torch.float32):
+    """Skip where this PyTorch has no CPU ``_scaled_mm`` with row scales into ``dtype`` (then
+    ``--quantize fp8`` on the CPU is refused naming it: the last test here)."""
+    error = fp8.cpu_scaled_mm_error(dtype)
+    return pytest.mark.skipif(error is not None, reason=f"torch {torch.__version__}: no CPU _scaled_mm ({error})")
+
+
 def test_rows_map_their_largest_magnitude_onto_e4m3s_and_zero_rows_stay_zero():
     x = torch.tensor([[1.0, -3.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3, 0.0]])
     q, scale = quantize_rows(x)
@@ -32,7 +40,9 @@ def test_rows_map_their_largest_magnitude_onto_e4m3s_and_zero_rows_stay_zero():
     assert torch.allclose(q.float() * scale, x, rtol=2**-3, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(dtype, marks=needs_cpu_fp8(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+)
 @pytest.mark.parametrize("bias", [True, False])
 def test_fp8_linear_is_the_dequantized_product_and_close_to_the_layer(dtype, bias):
     torch.manual_seed(0)
@@ -48,6 +58,7 @@ def test_fp8_linear_is_the_dequantized_product_and_close_to_the_layer(dtype, bia
     assert (y.float() - reference).norm() / reference.norm() <= 0.06
 
 
+@needs_cpu_fp8()
 def test_quantize_linears_replaces_aligned_layers_except_the_kept_ones():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 10)))
     model.add_module("keep_me", nn.Linear(16, 16))
@@ -84,6 +95,7 @@ def _flux_step(quantize: str | None) -> tuple[torch.Tensor, object]:
         return pipe.transformer(**inputs)[0], pipe.transformer
 
 
+@needs_cpu_fp8()
 def test_flux_fp8_quantizes_the_block_projections_and_keeps_the_step_close(tiny_cache):
     from tilecast.launcher.bench.report import psnr_db
 
@@ -134,6 +146,7 @@ def test_serve_refuses_an_unknown_quantize_mode_naming_it():
     assert result.exit_code == 2 and "--quantize must be one of fp8, got 'int4'" in " ".join(result.output.split())
 
 
+@needs_cpu_fp8()
 def test_k6sr_fp8_quantizes_the_block_projections_and_feed_forward_and_stays_close():
     """K6 SR's ``--quantize fp8``: every block's query/key/value/output projections and feed forward
     become ``Fp8Linear``, the modulation, embeddings and output layer stay; the DiT's output stays
@@ -171,7 +184,7 @@ def test_k6sr_fp8_is_refused_where_it_cannot_be_honoured(tmp_path, monkeypatch):
     ctx = make_context(tmp_path, device="cuda", dtype="bfloat16", quantize="fp8", cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"compute capability >= 8.9.*A100 is 8.0"):
         K6SRPipeline.load("tiny/k6sr", ctx)
-    monkeypatch.setattr(fp8_module, "check_supported", lambda device: None)
+    monkeypatch.setattr(fp8_module, "check_supported", lambda *args: None)
     for fields, named in (
         ({"tp_size": 2, "num_gpus": 2}, "--tp-size"),
         ({"cpu_offload_components": "transformer"}, "an offloaded transformer"),
@@ -182,11 +195,13 @@ def test_k6sr_fp8_is_refused_where_it_cannot_be_honoured(tmp_path, monkeypatch):
     assert not (tmp_path / "models").exists()
 
 
+@needs_cpu_fp8()
 def test_bench_step_reports_the_fp8_difference(tiny_cache):
     (row,) = flux_step_bench(width=32, height=32, batch_sizes=[2], quantize="fp8", iters=1)
     assert 0 < row["max_rel_diff"] <= 0.05 and 45.0 <= row["psnr_db"] < float("inf")
 
 
+@needs_cpu_fp8()
 def test_generate_passes_quantize_to_the_flux_pipeline(tiny_cache, tmp_path):
     """The real CLI in a process of its own (``generate`` blocks signals and configures logging in the
     process it runs in): the same seed gives a different image with ``--quantize fp8``, so the flag
@@ -202,3 +217,15 @@ def test_generate_passes_quantize_to_the_flux_pipeline(tiny_cache, tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         images[name] = (out / "flux_seed42.png").read_bytes()
     assert images["fp8"] != images["plain"]
+
+
+def test_fp8_on_a_cpu_without_the_cpu_kernel_is_refused_naming_it(monkeypatch):
+    """A PyTorch without the CPU ``_scaled_mm`` path: ``--quantize fp8`` on the CPU is refused at load,
+    naming the torch version and its error, instead of failing inside the first request."""
+    monkeypatch.setattr(fp8, "cpu_scaled_mm_error", lambda dtype=torch.float32: "no CPU kernel for rowwise")
+    with pytest.raises(
+        ValueError, match=re.escape(f"torch {torch.__version__} refuses for torch.float32: no CPU kernel")
+    ):
+        fp8.check_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"no CPU kernel for rowwise"):
+        _flux_step("fp8")

@@ -149,7 +149,7 @@ def install_fast_paths(
     resolve_backend(backend, weight.device, weight.dtype)
     check_quantize(quantize)
     if quantize is not None:
-        fp8.check_supported(weight.device)
+        fp8.check_supported(weight.device, weight.dtype)
     layers = 0
     for module in transformer.modules():
         if isinstance(module, FluxAttention):

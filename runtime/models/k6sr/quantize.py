@@ -27,7 +27,7 @@ KEPT = ".visual_modulation."
 
 def check(settings: ServeConfig, device: torch.device) -> None:
     """Raise ``ValueError`` naming why ``--quantize fp8`` cannot be honoured with ``settings`` on ``device``."""
-    fp8.check_supported(device)
+    fp8.check_supported(device, getattr(torch, settings.resolved_dtype))
     placement = settings.placement
     for flag, conflict in (
         ("--tp-size", settings.tp_size > 1),
