@@ -335,7 +335,7 @@ def bench_k6sr(
     decode, which makes the decoder's weights channels-last in place, with ``vae_fp8_convs`` its wide
     convolutions in FP8; with ``quantize`` ``"fp8"`` FP8 linear layers in the DiT blocks; with ``compile_blocks`` the
     compiled DiT blocks) and runs them again. With ``profile_dir``, one more tilecast request per
-    workload runs under the profiler after its timing (``k6sr_<workload>.txt``: kernels, and the
+    workload runs under the profiler after its timing (``k6sr_<workload>_<side>.txt``: kernels, and the
     K-VAE decoder's levels as named ranges). ``default_too`` (with an opt-in: ``attention_backend``,
     ``vae_fp8_convs``, ``quantize``) first runs tilecast with its defaults too, side
     ``tilecast-default``, and the opt-in rows add their PSNR against it."""
