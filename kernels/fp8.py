@@ -31,14 +31,18 @@ MIN_CUDA_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer."""
 
 
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3, saturating at its largest finite value (``scale`` broadcasts)."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MK, scale_M1)``: e4m3 values and float32 scales with ``x ~ q * scale``, one scale per row.
 
     An all-zero row gets a tiny scale, so it quantizes to zeros instead of dividing by zero."""
     amax_M1 = x_MK.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
     scale_M1 = amax_M1 / E4M3_MAX
-    q_MK = (x_MK.float() / scale_M1).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q_MK, scale_M1
+    return to_e4m3(x_MK, scale_M1), scale_M1
 
 
 @functools.cache

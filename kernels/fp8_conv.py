@@ -33,7 +33,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from tilecast.kernels.fp8 import E4M3_MAX, quantize_rows
+from tilecast.kernels.fp8 import E4M3_MAX, quantize_rows, to_e4m3
 
 ALIGNMENT = 16
 """TMA rows must be multiples of 16 bytes: output channel counts must be multiples of this."""
@@ -136,7 +136,7 @@ def reference(x_BTHWC: torch.Tensor, weight: PackedWeight, padding_hw: tuple[int
     """What ``fp8_conv`` computes, in float32: the convolution of the dequantized operands, ``BTHWC``
     (TF32 off: it would round them)."""
     scale = activation_scale(x_BTHWC)
-    x_q = (x_BTHWC.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    x_q = to_e4m3(x_BTHWC, scale).float() * scale
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         y_BCTHW = F.conv3d(x_q.permute(0, 4, 1, 2, 3), dequantize_weight(weight), None, 1, (0, *padding_hw))
     return y_BCTHW.permute(0, 2, 3, 4, 1).contiguous()

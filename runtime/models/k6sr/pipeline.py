@@ -188,7 +188,7 @@ class K6SRPipeline(Pipeline):
         if settings.vae.fp8_convs:
             fp8_conv.check_supported(torch.device(ctx.device))
         if settings.quantize == "fp8":
-            quantize.check(settings, torch.device(ctx.device))
+            quantize.check(settings, torch.device(ctx.device), dtype)
         video_io.require_encoders()
         if model_path == TINY_MODEL:
             model_dir = cls.ensure_builtin(ctx.cache_dir)

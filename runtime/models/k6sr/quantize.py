@@ -25,9 +25,10 @@ KEPT = ".visual_modulation."
 """Linear layers under ``BLOCKS`` whose names contain this stay in ``--dtype``."""
 
 
-def check(settings: ServeConfig, device: torch.device) -> None:
-    """Raise ``ValueError`` naming why ``--quantize fp8`` cannot be honoured with ``settings`` on ``device``."""
-    fp8.check_supported(device, getattr(torch, settings.resolved_dtype))
+def check(settings: ServeConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` naming why ``--quantize fp8`` cannot be honoured with ``settings`` on
+    ``device`` for a DiT in ``dtype``."""
+    fp8.check_supported(device, dtype)
     placement = settings.placement
     for flag, conflict in (
         ("--tp-size", settings.tp_size > 1),
