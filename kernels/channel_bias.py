@@ -37,7 +37,7 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def add_bias_kernel(
         y_ptr,
         bias_ptr,
         residual_ptr,
@@ -59,7 +59,7 @@ def _triton_kernel():
             y = (y.to(tl.float32) + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(y_ptr + offsets, y, mask=mask)
 
-    return kernel
+    return add_bias_kernel
 
 
 def triton_(

@@ -151,7 +151,7 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def narrow_conv_kernel(
         x_ptr,
         w_ptr,
         y_ptr,
@@ -251,7 +251,7 @@ def _triton_kernel():
         mask = (valid & (w < width))[:, None] & (n < out_channels)[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return narrow_conv_kernel
 
 
 def triton_conv(

@@ -100,7 +100,7 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def piflow_rollout_kernel(
         sample_ptr,
         output_ptr,
         out_ptr,
@@ -145,7 +145,7 @@ def _triton_kernel():
             sigma_t = sigma_next
         tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return piflow_rollout_kernel
 
 
 def triton_rollout(sample_NC: torch.Tensor, output_NGC: torch.Tensor, step: PiflowStep) -> torch.Tensor:

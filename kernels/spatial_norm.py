@@ -66,7 +66,7 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def spatial_norm_silu_kernel(
         h_ptr,
         h_bias_ptr,
         gamma_ptr,
@@ -116,7 +116,7 @@ def _triton_kernel():
         m = (m + b).to(dtype).to(tl.float32)
         tl.store(out_ptr + offsets, (m / (1.0 + tl.exp(-m))).to(dtype), mask=mask)
 
-    return kernel
+    return spatial_norm_silu_kernel
 
 
 def triton_fused(

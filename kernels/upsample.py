@@ -51,7 +51,7 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def repeat_frames_kernel(
         x_ptr,
         out_ptr,
         num_rows,
@@ -75,7 +75,7 @@ def _triton_kernel():
         values = tl.load(x_ptr + source[:, None] * channels + cols[None, :], mask=mask)
         tl.store(out_ptr + rows[:, None] * channels + cols[None, :], values, mask=mask)
 
-    return kernel
+    return repeat_frames_kernel
 
 
 def triton_repeat(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,7 +142,7 @@ def _triton_phases_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def interleave_phases_kernel(
         y_ptr, bias_ptr, out_ptr, num_rows, channels, out_height, out_width, BLOCK_C: tl.constexpr, ROWS: tl.constexpr
     ):
         dtype = out_ptr.dtype.element_ty
@@ -162,7 +162,7 @@ def _triton_phases_kernel():
         values = tl.load(y_ptr + offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * channels + cols[None, :], (values + bias[None, :]).to(dtype), mask=mask)
 
-    return kernel
+    return interleave_phases_kernel
 
 
 def triton_phases(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
