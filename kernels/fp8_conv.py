@@ -170,12 +170,14 @@ def _kernels():
         inside = (h >= 0) & (h < height) & (w >= 0) & (w < width)
         x = tl.load(x_ptr + ((frame * height + h) * width + w) * C + c, mask=inside, other=0.0)
         q = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
-        # Round to e4m3's 3 mantissa bits in float32 (to nearest, ties to even; a carry moves into the
-        # exponent), so the cast below is exact where e4m3 is normal: Triton's interpreter rounds
-        # without that carry (127.3 -> 64), the GPU's conversion agrees either way.
+        # Round to e4m3 in float32 (to nearest, ties to even), so the cast below is exact: 3 mantissa
+        # bits where e4m3 is normal (a carry moves into the exponent), multiples of 2^-9 below 2^-6
+        # (its subnormals; adding 1.5 * 2^23 rounds to an integer). Triton's interpreter rounds
+        # without the carry (127.3 -> 64); the GPU's conversion agrees either way.
         bits = q.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        q = bits.to(tl.float32, bitcast=True)
+        subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
         tl.store(q_ptr + row * padded_width * C + e, q.to(tl.float8e4nv), mask=e < padded_width * C)
 
     @triton.jit
@@ -254,20 +256,32 @@ def fp8_conv(
 ) -> torch.Tensor:
     """The convolution of ``x`` (any float dtype, ``BTHWC``) by ``weight`` in e4m3, as ``BTHWC`` in
     ``x``'s dtype: ``reference`` within float32 accumulation and the output's rounding."""
+    q, x_scale = quantize_padded(x_BTHWC, padding_hw)
+    return conv_quantized(q, x_scale, weight, x_BTHWC.dtype, tiling)
+
+
+def conv_quantized(
+    q_BTHWC: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: PackedWeight,
+    out_dtype: torch.dtype,
+    tiling: Tiling | None = None,
+) -> torch.Tensor:
+    """``fp8_conv`` of an input its producer already wrote in e4m3 with its spatial zero padding
+    (``quantize_padded``'s layout, ``x ~ q * x_scale``; e.g. ``spatial_norm.norm_modulate_silu_e4m3``):
+    ``BTHWC`` in ``out_dtype``, over the positions where the kernel fits inside the padded grid."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    batch, frames, height, width, in_channels = x_BTHWC.shape
+    batch, frames, padded_height, padded_width, in_channels = q_BTHWC.shape
     kt, kh, kw = weight.kernel_size
     if in_channels != weight.in_channels:
         raise ValueError(f"fp8 conv: the input has {in_channels} channels, the weight takes {weight.in_channels}")
     if frames < kt:
         raise ValueError(f"fp8 conv: {frames} input frames for a kernel {kt} frames deep")
     tiling = (tiling or Tiling()).fit(in_channels, weight.out_channels)
-    q, x_scale = quantize_padded(x_BTHWC, padding_hw)
-    padded_height, padded_width = q.shape[2], q.shape[3]
     out_frames, out_height, out_width = frames - kt + 1, padded_height - kh + 1, padded_width - kw + 1
-    out = x_BTHWC.new_empty(batch, out_frames, out_height, out_width, weight.out_channels)
-    x_desc = TensorDescriptor.from_tensor(q.view(-1, in_channels), [tiling.bm, tiling.bk])
+    out = q_BTHWC.new_empty(batch, out_frames, out_height, out_width, weight.out_channels, dtype=out_dtype)
+    x_desc = TensorDescriptor.from_tensor(q_BTHWC.contiguous().view(-1, in_channels), [tiling.bm, tiling.bk])
     w_desc = TensorDescriptor.from_tensor(weight.q_NK, [tiling.bn, tiling.bk])
     rows_per_frame = out_height * padded_width  # the padded width's columns of every output row
     grid = (-(-rows_per_frame // tiling.bm), -(-weight.out_channels // tiling.bn), batch * out_frames)

@@ -22,6 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tilecast.kernels.fp8 import E4M3_MAX, to_e4m3
+
 
 def reference(
     h_BTHWC: torch.Tensor,
@@ -73,6 +75,7 @@ def _triton_kernel():
         y_ptr,
         b_ptr,
         out_ptr,
+        out_scale_ptr,
         scale,
         num_rows,
         channels,
@@ -82,18 +85,39 @@ def _triton_kernel():
         latent_width,
         rh,
         rw,
+        padded_height,
+        padded_width,
+        PH,
+        PW,
         HAS_BIAS: tl.constexpr,
+        E4M3: tl.constexpr,
         BLOCK_C: tl.constexpr,
         ROWS: tl.constexpr,
     ):
+        # A block of ROWS pixels of the output, every channel: h's pixels, or with E4M3 the padded
+        # grid's (the padding gets zeros).
         dtype = h_ptr.dtype.element_ty
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < channels
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        offsets = rows[:, None] * channels + cols[None, :]
+        out_offsets = rows[:, None] * channels + cols[None, :]
+        out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
+        if E4M3:
+            padded_col = rows % padded_width
+            padded_row = (rows // padded_width) % padded_height
+            col, row = padded_col - PW, padded_row - PH
+            frame = rows // padded_width // padded_height
+            inside = (rows < num_rows) & (row >= 0) & (row < height) & (col >= 0) & (col < width)
+            source = (frame * height + row) * width + col
+        else:
+            col = rows % width
+            row = (rows // width) % height
+            frame = rows // width // height
+            inside = rows < num_rows
+            source = rows
+        mask = inside[:, None] & col_ok[None, :]
 
-        x = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(h_ptr + source[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
             x = (x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
             x = x.to(tl.float32)
@@ -103,20 +127,60 @@ def _triton_kernel():
         gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         n = (n * gamma[None, :]).to(dtype).to(tl.float32)
 
-        # Pixel (frame, row, col) of every h row, and the y/b pixel it repeats.
-        col = rows % width
-        rest = rows // width
-        row = rest % height
-        frame = rest // height
+        # The y/b pixel every output pixel repeats.
         small = (frame * latent_height + row // rh) * latent_width + col // rw
         small_offsets = small[:, None] * channels + cols[None, :]
         y = tl.load(y_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
         m = (n * y).to(dtype).to(tl.float32)
         m = (m + b).to(dtype).to(tl.float32)
-        tl.store(out_ptr + offsets, (m / (1.0 + tl.exp(-m))).to(dtype), mask=mask)
+        result = (m / (1.0 + tl.exp(-m))).to(dtype)
+        if E4M3:  # fp8.to_e4m3 of the result, rounded in float32 first as fp8_conv's quantize does (see there)
+            q = tl.clamp(tl.where(mask, result.to(tl.float32), 0.0) / tl.load(out_scale_ptr), -448.0, 448.0)
+            bits = q.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+            subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+            q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
+            tl.store(out_ptr + out_offsets, q.to(tl.float8e4nv), mask=out_mask)
+        else:
+            tl.store(out_ptr + out_offsets, result, mask=out_mask)
 
     return spatial_norm_silu_kernel
+
+
+def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, out_scale=None, padding_hw=(0, 0)):
+    """The kernel over ``out``'s pixels (``h``'s, or with ``out_scale`` its padded e4m3 grid)."""
+    h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
+    _, _, height, width, channels = h_BTHWC.shape
+    num_rows = out.numel() // channels
+    grid, block_c, rows = row_tiling(num_rows, channels)
+    _triton_kernel()[grid](
+        h_BTHWC,
+        gamma_C if h_bias_C is None else h_bias_C.contiguous(),
+        gamma_C.contiguous(),
+        y_BTHWC,
+        b_BTHWC,
+        out,
+        gamma_C if out_scale is None else out_scale,
+        float(scale),
+        num_rows,
+        channels,
+        height,
+        width,
+        height // rh,
+        width // rw,
+        rh,
+        rw,
+        out.shape[2],
+        out.shape[3],
+        *padding_hw,
+        HAS_BIAS=h_bias_C is not None,
+        E4M3=out_scale is not None,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        num_warps=8 if block_c >= 1024 else 4,
+    )
+    return out
 
 
 def triton_fused(
@@ -133,34 +197,8 @@ def triton_fused(
     """``reference`` in one Triton kernel (CUDA tensors), written straight into ``out`` when it is contiguous."""
     if out is not None and not out.is_contiguous():
         return out.copy_(triton_fused(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, h_bias_C=h_bias_C))
-    kernel = _triton_kernel()
-    h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
-    batch, frames, height, width, channels = h_BTHWC.shape
     out = torch.empty_like(h_BTHWC) if out is None else out
-    num_rows = h_BTHWC.numel() // channels
-    grid, block_c, rows = row_tiling(num_rows, channels)
-    kernel[grid](
-        h_BTHWC,
-        gamma_C if h_bias_C is None else h_bias_C.contiguous(),
-        gamma_C.contiguous(),
-        y_BTHWC,
-        b_BTHWC,
-        out,
-        float(scale),
-        num_rows,
-        channels,
-        height,
-        width,
-        height // rh,
-        width // rw,
-        rh,
-        rw,
-        HAS_BIAS=h_bias_C is not None,
-        BLOCK_C=block_c,
-        ROWS=rows,
-        num_warps=8 if block_c >= 1024 else 4,
-    )
-    return out
+    return _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C)
 
 
 @functools.cache
@@ -188,3 +226,84 @@ def norm_modulate_silu(
     convolution that made ``h``, left out there) is added to ``h`` first, rounded as a separate add."""
     kernel = triton_fused if h_BTHWC.is_cuda and triton_available() else reference
     return kernel(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out=out, h_bias_C=h_bias_C)
+
+
+SILU_MIN = 0.27846454276107380
+"""``-min silu``: SiLU's output is never below ``-SILU_MIN`` (at ``x = -1.27846``)."""
+
+
+def e4m3_scale(scale: float, gamma_C: torch.Tensor, y_BTHWC: torch.Tensor, b_BTHWC: torch.Tensor) -> torch.Tensor:
+    """A float32 one-element scale (on the device) under which ``norm_modulate_silu`` of *any* ``h`` fits
+    e4m3 for these (or fewer) ``y``/``b`` pixels: a bound of its magnitude over 448, with no pass over ``h``.
+
+    ``F.normalize`` leaves every channel of a pixel at most 1 in magnitude, so channel ``c`` of the
+    modulation is at most ``|scale gamma_c| max|y_c| + max|b_c|``, and SiLU maps that range into
+    ``[-SILU_MIN, max(bound, 0)]``. The bound is the worst pixel's, larger than a real maximum
+    (1/sqrt(C) of it is typical), which e4m3 hardly feels: its relative step is the same over its
+    whole normal range, 2^-6 .. 448, so only values that many times smaller than the bound get coarser.
+    1% of slack covers the roundings to ``h``'s dtype on the way."""
+    dims = tuple(range(y_BTHWC.dim() - 1))
+    y_max, b_max = y_BTHWC.abs().amax(dim=dims).float(), b_BTHWC.abs().amax(dim=dims).float()
+    bound = ((abs(scale) * gamma_C.abs().float() * y_max + b_max).max() * 1.01).clamp(min=SILU_MIN)
+    return (bound / E4M3_MAX).reshape(1)
+
+
+def norm_modulate_silu_e4m3(
+    h_BTHWC: torch.Tensor,
+    scale: float,
+    gamma_C: torch.Tensor,
+    y_BTHWC: torch.Tensor,
+    b_BTHWC: torch.Tensor,
+    rh: int,
+    rw: int,
+    *,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+    padding_hw: tuple[int, int],
+    h_bias_C: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fp8.to_e4m3(norm_modulate_silu(...), out_scale)`` with ``padding_hw`` rows and columns of zeros
+    around every frame, written into ``out`` (``[B, T, H + 2 PH, W + 2 PW, C]`` e4m3): the input of
+    ``fp8_conv.conv_quantized`` straight from the norm, in one pass over ``h`` on CUDA (Triton),
+    instead of a bf16 result that the convolution reduces for its scale and copies into e4m3.
+    ``out_scale``: ``e4m3_scale``'s, so nothing saturates."""
+    batch, frames, height, width, channels = h_BTHWC.shape
+    ph, pw = padding_hw
+    if out.dtype != torch.float8_e4m3fn or out.shape != (batch, frames, height + 2 * ph, width + 2 * pw, channels):
+        raise ValueError(
+            f"norm_modulate_silu_e4m3: out is {out.dtype} {tuple(out.shape)}, expected float8_e4m3fn "
+            f"{(batch, frames, height + 2 * ph, width + 2 * pw, channels)}"
+        )
+    if not (h_BTHWC.is_cuda and triton_available()):
+        return e4m3_reference(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_scale, padding_hw, h_bias_C)
+    return triton_e4m3(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_scale, padding_hw, h_bias_C)
+
+
+def e4m3_reference(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_scale, padding_hw, h_bias_C=None):
+    """``norm_modulate_silu_e4m3`` from ``reference`` and ``fp8.to_e4m3`` (PyTorch)."""
+    result = reference(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, h_bias_C=h_bias_C)
+    ph, pw = padding_hw
+    out.zero_()
+    out[:, :, ph : out.shape[2] - ph, pw : out.shape[3] - pw] = to_e4m3(result, out_scale)
+    return out
+
+
+def triton_e4m3(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_scale, padding_hw, h_bias_C=None):
+    """``norm_modulate_silu_e4m3`` in one Triton kernel (``triton_fused``'s, writing e4m3 over the padded grid)."""
+    if not out.is_contiguous():
+        return out.copy_(
+            triton_e4m3(
+                h_BTHWC,
+                scale,
+                gamma_C,
+                y_BTHWC,
+                b_BTHWC,
+                rh,
+                rw,
+                torch.empty_like(out),
+                out_scale,
+                padding_hw,
+                h_bias_C,
+            )
+        )
+    return _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, out_scale, padding_hw)

@@ -80,11 +80,13 @@ def test_bad_tilings_and_channels_are_refused_naming_them():
 
 def test_decode_with_fp8_convs_runs_every_wide_convolution_through_the_kernel(monkeypatch):
     """``ChannelsLastDecoder(fp8_convs=True)`` on a VAE with 32-channel levels: every causal and
-    upsampling convolution wider than 16 channels runs ``fp8_conv``, each call within float32
-    summation of its ``reference`` on the same input (compared call by call: a decode-wide
-    comparison would amplify rounding flips of the next layers' quantization), and the result
-    stays near diffusers' float32 decode (random weights: about 35 dB). On the GPU the tolerance is
-    Hopper's: its e4m3 products accumulate with fewer than float32's bits."""
+    upsampling convolution wider than 16 channels runs the FP8 kernel, each call within float32
+    summation of the convolution of its dequantized operands (compared call by call: a decode-wide
+    comparison would amplify rounding flips of the next layers' quantization); the resnet blocks'
+    convolutions take their e4m3 input straight from the spatial norm (no ``quantize_padded``), with
+    nothing saturated; and the result stays near diffusers' float32 decode (random weights: about
+    35 dB). On the GPU the tolerance is Hopper's: its e4m3 products accumulate with fewer than
+    float32's bits."""
     from tests.test_vae_decode import make_vae
     from tilecast.launcher.bench.report import psnr_db
     from tilecast.runtime.models.k6sr.vae_decode import ChannelsLastDecoder
@@ -97,20 +99,34 @@ def test_decode_with_fp8_convs_runs_every_wide_convolution_through_the_kernel(mo
     convs = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.kernel_size != (1, 1, 1)]
     wide = [m for m in convs if ChannelsLastDecoder._wide(m)]  # the upsamplers' 1x1 linears fold into the 2x2
     assert len(decoder._fp8) + sum(p.fp8 is not None for p in decoder._phased.values()) == len(wide)
-    errors = []
-    run = fp8_conv.fp8_conv
+    blocks = [m for m in vae.decoder.modules() if type(m).__name__ == "Kandinsky6SRResnetBlock3D"]
+    norm_fed = sum(ChannelsLastDecoder._wide(conv.conv) for block in blocks for conv in (block.conv1, block.conv2))
+    errors, quantized, largest = [], [], []
+    run, quantize = fp8_conv.conv_quantized, fp8_conv.quantize_padded
 
-    def checked(x, weight, padding):
-        out = run(x, weight, padding)
-        expected = fp8_conv.reference(x, weight, padding)
+    def checked(q, x_scale, weight, out_dtype, tiling=None):
+        out = run(q, x_scale, weight, out_dtype, tiling)
+        x = (q.float() * x_scale).permute(0, 4, 1, 2, 3)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            expected = F.conv3d(x, fp8_conv.dequantize_weight(weight), None, 1, 0).permute(0, 2, 3, 4, 1)
         errors.append(((out.float() - expected).abs().max() / expected.abs().max()).item())
+        if q.data_ptr() not in quantized:  # written by the norm
+            largest.append(q.float().abs().max().item())
         return out
 
-    monkeypatch.setattr(fp8_conv, "fp8_conv", checked)
+    def counted(x, padding):
+        q, x_scale = quantize(x, padding)
+        quantized.append(q.data_ptr())
+        return q, x_scale
+
+    monkeypatch.setattr(fp8_conv, "conv_quantized", checked)
+    monkeypatch.setattr(fp8_conv, "quantize_padded", counted)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         got = decoder.decode(z)
     assert len(errors) == len(wide)  # one segment: each wide layer once
+    assert len(quantized) == len(wide) - norm_fed > 0 and norm_fed > 0
     assert max(errors) <= (1e-3 if DEVICE == "cuda" else 1e-5), errors
+    assert len(largest) == norm_fed and 10 < max(largest) < 448  # the norm's bound is a bound, and not a loose one
     assert 30 < psnr_db(got, exact) < 50
 
 

@@ -107,6 +107,45 @@ def test_fused_spatial_norm_matches_pytorch(channels, rh, rw, with_bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", ARITHMETIC_DTYPES)
+@pytest.mark.parametrize("channels, rh, rw, padding", [(32, 2, 2, (1, 1)), (64, 1, 1, (1, 2)), (24, 2, 4, (0, 0))])
+def test_spatial_norm_in_e4m3_is_the_rounded_norm_with_zero_padding(channels, rh, rw, padding, dtype):
+    """``norm_modulate_silu_e4m3``'s kernel writes exactly ``fp8.to_e4m3`` of the bf16/float32 kernel's
+    result inside the padded grid (its float32 rounding reproduces PyTorch's, subnormals and
+    exponent carries included) and zeros around it, batches apart included; ``e4m3_scale`` bounds
+    it without saturating, even for an ``h`` with all its energy in one channel; the PyTorch
+    reference writes the same layout."""
+    from tilecast.kernels import spatial_norm
+    from tilecast.kernels.fp8 import to_e4m3
+
+    torch.manual_seed(channels)
+    batch, frames, rows, cols = 2, 2, 2, 3
+    h = torch.randn(batch, frames, rows * rh, cols * rw, channels, device=DEVICE, dtype=dtype) * 3
+    h[0, 0, 0, 0] = 0.0
+    h[0, 0, 0, 0, 1] = 5.0  # one channel holds the pixel: the bound's worst case
+    y = torch.randn(batch, frames, rows, cols, channels, device=DEVICE, dtype=dtype)
+    b = torch.randn(batch, frames, rows, cols, channels, device=DEVICE, dtype=dtype)
+    gamma = (torch.rand(channels, device=DEVICE) + 0.5).to(dtype)
+    h_bias = torch.randn(channels, device=DEVICE, dtype=dtype)
+    args = (channels**0.5, gamma, y, b, rh, rw)
+    scale = spatial_norm.e4m3_scale(channels**0.5, gamma, y, b)
+    ph, pw = padding
+    buffer = torch.full(
+        (batch, frames + 1, rows * rh + 2 * ph, cols * rw + 2 * pw, channels), 7.0, device=DEVICE
+    ).to(torch.float8_e4m3fn)
+    got = spatial_norm.triton_e4m3(h, *args, buffer[:, 1:], scale, padding, h_bias).float()  # batches apart
+    result = spatial_norm.triton_fused(h, *args, h_bias_C=h_bias)
+    inside = got[:, :, ph : got.shape[2] - ph, pw : got.shape[3] - pw]
+    assert torch.equal(inside, to_e4m3(result, scale).float())
+    assert got.abs().sum() == inside.abs().sum()  # the padding is zeros
+    assert torch.equal(buffer[:, 0].float(), torch.full_like(buffer[:, 0].float(), 7.0))  # nothing else written
+    assert (result.float().abs() / scale).max() < 448
+    reference = spatial_norm.e4m3_reference(h, *args, torch.empty_like(buffer[:, 1:]), scale, padding, h_bias)
+    expected = to_e4m3(spatial_norm.reference(h, *args, h_bias_C=h_bias), scale).float()
+    assert torch.equal(reference.float()[:, :, ph : got.shape[2] - ph, pw : got.shape[3] - pw], expected)
+    assert reference.float().abs().sum() == expected.abs().sum()
+
+
+@pytest.mark.parametrize("dtype", ARITHMETIC_DTYPES)
 @pytest.mark.parametrize(
     "num_steps, config, shape",
     [

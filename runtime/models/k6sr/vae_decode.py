@@ -66,7 +66,7 @@ from torch.profiler import record_function
 
 from tilecast.kernels import fp8_conv, narrow_conv
 from tilecast.kernels.channel_bias import add_bias_
-from tilecast.kernels.spatial_norm import norm_modulate_silu
+from tilecast.kernels.spatial_norm import e4m3_scale, norm_modulate_silu, norm_modulate_silu_e4m3
 from tilecast.kernels.upsample import interleave_phases, repeat_frames
 from tilecast.kernels.upsample import output_shape as upsample_shape
 
@@ -137,6 +137,8 @@ class ChannelsLastDecoder:
         self.temporal_ratio = int(vae.temporal_compression_ratio)
         self._carried: dict[int, torch.Tensor] = {}
         self._alive: Callable[[], None] | None = None
+        self._latents: torch.Tensor | None = None  # the whole decode's, while it runs (``_e4m3_scale``)
+        self._e4m3_scales: dict[int, torch.Tensor] = {}
         self._indices: dict[tuple, torch.Tensor | None] = {}
         self._check_modules()
         self._channels_last_weights()
@@ -209,14 +211,14 @@ class ChannelsLastDecoder:
                 lengths.append((num_latent_frames - 1) % latent_segment)
             lengths[0] += 1
         z_BTHWC = z_BCTHW.permute(0, 2, 3, 4, 1)
-        self._carried, self._alive = {}, alive
+        self._carried, self._alive, self._latents, self._e4m3_scales = {}, alive, z_BTHWC, {}
         try:
             segments = [
                 self._segment(part.contiguous(), first=index == 0)
                 for index, part in enumerate(torch.split(z_BTHWC, lengths, dim=1))
             ]
         finally:
-            self._carried, self._alive = {}, None
+            self._carried, self._alive, self._latents, self._e4m3_scales = {}, None, None, {}
         return torch.cat(segments, dim=1).permute(0, 4, 1, 2, 3).contiguous()
 
     # ------------------------------------------------------------------ layers
@@ -259,13 +261,7 @@ class ChannelsLastDecoder:
         """Convolve a filled ``_causal_input`` buffer: causal along time (the first segment repeats its
         first frame, later ones take the frames the previous segment left), zero padded in space.
         Without the bias (``layer.conv.bias``): the caller adds it (``conv(bias=False)``)."""
-        pad = layer.time_pad
-        if pad:
-            if first:  # the first frame, repeated
-                repeat_frames(buffer[:, pad : pad + 1], pad, out=buffer[:, :pad])
-            else:
-                buffer[:, :pad] = self._carried[id(layer)]
-            self._carried[id(layer)] = buffer[:, -pad:].clone()
+        self._causal_frames(layer, buffer, first)
         fp8 = self._fp8.get(id(layer))
         if fp8 is not None and fp8.q_NK.device == buffer.device:
             return fp8_conv.fp8_conv(buffer, fp8, (layer.height_pad, layer.width_pad))
@@ -273,6 +269,20 @@ class ChannelsLastDecoder:
         if packed is not None and packed.packed.device == buffer.device:
             return narrow_conv.triton_conv(buffer, packed, (layer.height_pad, layer.width_pad), tiling)
         return conv(buffer, layer.conv, padding=(0, layer.height_pad, layer.width_pad), bias=False)
+
+    def _causal_frames(self, layer: Kandinsky6SRCausalConv3d, buffer: torch.Tensor, first: bool) -> None:
+        """Fill a ``_causal_input`` buffer's ``layer.time_pad`` causal frames (the first segment repeats
+        its first frame, later ones take the frames the previous segment left) and keep its last ones."""
+        pad = layer.time_pad
+        if not pad:
+            return
+        if not first:
+            buffer[:, :pad] = self._carried[id(layer)]
+        elif buffer.dtype == torch.float8_e4m3fn:  # two frames, once per decode: a plain copy
+            buffer[:, :pad] = buffer[:, pad : pad + 1]
+        else:
+            repeat_frames(buffer[:, pad : pad + 1], pad, out=buffer[:, :pad])
+        self._carried[id(layer)] = buffer[:, -pad:].clone()
 
     def _causal_conv(self, layer: Kandinsky6SRCausalConv3d, x_BTHWC: torch.Tensor, first: bool) -> torch.Tensor:
         """``_causal_conv_buffer`` of a copy of ``x`` (without the bias)."""
@@ -290,10 +300,43 @@ class ChannelsLastDecoder:
         h_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``layer(silu(norm(h + h_bias, zq)))`` without ``layer``'s bias, the norm written straight into
-        the convolution's input."""
-        buffer, body = self._causal_input(layer, h_BTHWC)
-        self._spatial_norm_silu(norm, h_BTHWC, zq_BTHWC, first, out=body, h_bias=h_bias)
-        return self._causal_conv_buffer(layer, buffer, first)
+        the convolution's input: in e4m3 with its zero padding where ``layer`` runs in FP8."""
+        fp8 = self._fp8.get(id(layer))
+        if fp8 is None or fp8.q_NK.device != h_BTHWC.device:
+            buffer, body = self._causal_input(layer, h_BTHWC)
+            self._spatial_norm_silu(norm, h_BTHWC, zq_BTHWC, first, out=body, h_bias=h_bias)
+            return self._causal_conv_buffer(layer, buffer, first)
+        batch, frames, height, width, channels = h_BTHWC.shape
+        padding = (layer.height_pad, layer.width_pad)
+        shape = (batch, layer.time_pad + frames, height + 2 * padding[0], width + 2 * padding[1], channels)
+        buffer = h_BTHWC.new_empty(shape, dtype=torch.float8_e4m3fn)
+        y, b, rh, rw = self._modulation(norm, h_BTHWC, zq_BTHWC, first)
+        scale = self._e4m3_scale(norm)
+        rms = norm.norm_layer
+        norm_modulate_silu_e4m3(
+            h_BTHWC,
+            rms.scale,
+            rms.gamma.view(-1),
+            y,
+            b,
+            rh,
+            rw,
+            out=buffer[:, layer.time_pad :],
+            out_scale=scale,
+            padding_hw=padding,
+            h_bias_C=h_bias,
+        )
+        self._causal_frames(layer, buffer, first)
+        return fp8_conv.conv_quantized(buffer, scale, fp8, h_BTHWC.dtype)
+
+    def _e4m3_scale(self, norm: Kandinsky6SRSpatialNorm3D) -> torch.Tensor:
+        """``spatial_norm.e4m3_scale`` of ``norm`` over the whole decode's latents, made once per decode:
+        every segment's convolution input (and the frames it carries into the next) shares it."""
+        if id(norm) not in self._e4m3_scales:
+            latents = self._latents.contiguous()
+            y, b = conv(latents, norm.conv_y), conv(latents, norm.conv_b)
+            self._e4m3_scales[id(norm)] = e4m3_scale(norm.norm_layer.scale, norm.norm_layer.gamma.view(-1), y, b)
+        return self._e4m3_scales[id(norm)]
 
     def _spatial_norm_silu(
         self,
@@ -305,6 +348,15 @@ class ChannelsLastDecoder:
         h_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``silu(norm(h, zq))`` with ``zq``'s 1x1 convolutions at latent resolution."""
+        y, b, rh, rw = self._modulation(norm, h_BTHWC, zq_BTHWC, first)
+        rms = norm.norm_layer
+        return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw, out=out, h_bias_C=h_bias)
+
+    def _modulation(
+        self, norm: Kandinsky6SRSpatialNorm3D, h_BTHWC: torch.Tensor, zq_BTHWC: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``(y, b, rh, rw)``: ``norm``'s two 1x1 convolutions of ``zq`` at latent resolution, on ``h``'s
+        frames, and the factors that repeat their pixels onto ``h``'s grid."""
         _, frames, height, width, _ = h_BTHWC.shape
         zq_frames, zq_height, zq_width = zq_BTHWC.shape[1:4]
         time_index = self._index(("time", zq_frames, frames, first), zq_BTHWC.device)
@@ -315,10 +367,7 @@ class ChannelsLastDecoder:
             zq_BTHWC = zq_BTHWC[:, :, self._index(("space", zq_height, height), zq_BTHWC.device)]
             zq_BTHWC = zq_BTHWC[:, :, :, self._index(("space", zq_width, width), zq_BTHWC.device)]
             rh = rw = 1
-        y = conv(zq_BTHWC, norm.conv_y)
-        b = conv(zq_BTHWC, norm.conv_b)
-        rms = norm.norm_layer
-        return norm_modulate_silu(h_BTHWC, rms.scale, rms.gamma.view(-1), y, b, rh, rw, out=out, h_bias_C=h_bias)
+        return conv(zq_BTHWC, norm.conv_y), conv(zq_BTHWC, norm.conv_b), rh, rw
 
     def _index(self, key: tuple, device: torch.device) -> torch.Tensor | None:
         """A gather index on ``device``, made once per shape (a host-to-device copy waits for the
