@@ -129,9 +129,9 @@ def test_spatial_norm_in_e4m3_is_the_rounded_norm_with_zero_padding(channels, rh
     args = (channels**0.5, gamma, y, b, rh, rw)
     scale = spatial_norm.e4m3_scale(channels**0.5, gamma, y, b)
     ph, pw = padding
-    buffer = torch.full(
-        (batch, frames + 1, rows * rh + 2 * ph, cols * rw + 2 * pw, channels), 7.0, device=DEVICE
-    ).to(torch.float8_e4m3fn)
+    buffer = torch.full((batch, frames + 1, rows * rh + 2 * ph, cols * rw + 2 * pw, channels), 7.0, device=DEVICE).to(
+        torch.float8_e4m3fn
+    )
     got = spatial_norm.triton_e4m3(h, *args, buffer[:, 1:], scale, padding, h_bias).float()  # batches apart
     result = spatial_norm.triton_fused(h, *args, h_bias_C=h_bias)
     inside = got[:, :, ph : got.shape[2] - ph, pw : got.shape[3] - pw]
