@@ -18,6 +18,7 @@ to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Per
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,7 @@ def _triton_kernel():
         PW,
         HAS_BIAS: tl.constexpr,
         E4M3: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         BLOCK_C: tl.constexpr,
         ROWS: tl.constexpr,
     ):
@@ -121,8 +123,9 @@ def _triton_kernel():
         if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
             x = (x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
             x = x.to(tl.float32)
-        denom = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)  # F.normalize's eps
-        n = (x / denom[:, None]).to(dtype).to(tl.float32)
+        # Divisions are per row or fast (a full-precision one per element made the kernel compute-bound).
+        inverse = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)  # F.normalize's eps
+        n = (x * inverse[:, None]).to(dtype).to(tl.float32)
         n = (n * scale).to(dtype).to(tl.float32)
         gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         n = (n * gamma[None, :]).to(dtype).to(tl.float32)
@@ -134,14 +137,17 @@ def _triton_kernel():
         b = tl.load(b_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
         m = (n * y).to(dtype).to(tl.float32)
         m = (m + b).to(dtype).to(tl.float32)
-        result = (m / (1.0 + tl.exp(-m))).to(dtype)
-        if E4M3:  # fp8.to_e4m3 of the result, rounded in float32 first as fp8_conv's quantize does (see there)
+        result = tl.fdiv(m, 1.0 + tl.exp(-m)).to(dtype)
+        if E4M3 and INTERPRETED:  # fp8.to_e4m3 exactly: rounded in float32 first, as fp8_conv's quantize (see there)
             q = tl.clamp(tl.where(mask, result.to(tl.float32), 0.0) / tl.load(out_scale_ptr), -448.0, 448.0)
             bits = q.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
             subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
             q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
             tl.store(out_ptr + out_offsets, q.to(tl.float8e4nv), mask=out_mask)
+        elif E4M3:  # the GPU's conversion rounds to nearest itself; times the inverse scale, not divided
+            q = tl.where(mask, result.to(tl.float32), 0.0) * (1.0 / tl.load(out_scale_ptr))
+            tl.store(out_ptr + out_offsets, tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), mask=out_mask)
         else:
             tl.store(out_ptr + out_offsets, result, mask=out_mask)
 
@@ -176,6 +182,7 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         *padding_hw,
         HAS_BIAS=h_bias_C is not None,
         E4M3=out_scale is not None,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_C=block_c,
         ROWS=rows,
         num_warps=8 if block_c >= 1024 else 4,
