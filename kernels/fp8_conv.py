@@ -19,6 +19,10 @@ plain 2-D tile load (a TMA descriptor; rows past the end read zeros) with no mas
 arithmetic per pixel. The outputs are computed on the padded width (``Wp - KW + 1`` of every ``Wp``
 columns are real; 2 of 50 wasted at the latent grid's 48, 2 of 386 at 384) and stored with a mask.
 
+A producer that can write that layout itself (the K-VAE's spatial norm,
+``spatial_norm.norm_modulate_silu_e4m3``, with a scale it bounds without reading the activation)
+hands it to ``conv_quantized`` and saves the reduction and the copy.
+
 ``fp8_conv`` computes ``F.conv3d`` without bias, stride 1, no temporal padding (the decoder's
 causal buffers hold the frames in front), zero padding ``(PH, PW)`` in space, of the dequantized
 operands (``reference``). Shape legend: ``B`` batch, ``T`` frames, ``H``/``W`` pixels, ``C`` channels.

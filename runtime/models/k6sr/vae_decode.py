@@ -127,8 +127,9 @@ class ChannelsLastDecoder:
 
     ``fp8_convs`` (opt-in, ``--vae-config.fp8-convs``): the causal and upsampling convolutions with
     more than ``NARROW_CHANNELS`` input and output channels in FP8 (``kernels/fp8_conv.py``: e4m3
-    weights scaled per output channel, activations per tensor, float32 accumulation). Needs Triton
-    (Hopper, or its interpreter on the CPU); the output moves (``tilecast bench fp8-conv``)."""
+    weights scaled per output channel, activations per tensor, float32 accumulation); a resnet
+    block's spatial norm writes its convolution's input in e4m3 itself (``_norm_silu_conv``). Needs
+    Triton (Hopper, or its interpreter on the CPU); the output moves (``tilecast bench fp8-conv``)."""
 
     NARROW_CHANNELS = 16
 
