@@ -13,6 +13,8 @@ result once, one program per block of pixels with the whole channel row in regis
 to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Performance).
 
 ``norm_modulate_silu`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
+``norm_modulate_silu_e4m3`` is the same kernel writing e4m3 with zero padding around every frame,
+the input of an FP8 convolution (``kernels/fp8_conv.py``), under the scale ``e4m3_scale`` bounds.
 """
 
 from __future__ import annotations
