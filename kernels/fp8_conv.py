@@ -260,8 +260,18 @@ def fp8_conv(
 ) -> torch.Tensor:
     """The convolution of ``x`` (any float dtype, ``BTHWC``) by ``weight`` in e4m3, as ``BTHWC`` in
     ``x``'s dtype: ``reference`` within float32 accumulation and the output's rounding."""
+    _check_input(x_BTHWC.shape, weight)  # before quantizing: bad input is named, not half run
     q, x_scale = quantize_padded(x_BTHWC, padding_hw)
     return conv_quantized(q, x_scale, weight, x_BTHWC.dtype, tiling)
+
+
+def _check_input(shape_BTHWC: tuple[int, ...], weight: PackedWeight) -> None:
+    """Raise ``ValueError`` naming an input ``weight`` cannot convolve (channels, or too few frames)."""
+    frames, in_channels = shape_BTHWC[1], shape_BTHWC[-1]
+    if in_channels != weight.in_channels:
+        raise ValueError(f"fp8 conv: the input has {in_channels} channels, the weight takes {weight.in_channels}")
+    if frames < weight.kernel_size[0]:
+        raise ValueError(f"fp8 conv: {frames} input frames for a kernel {weight.kernel_size[0]} frames deep")
 
 
 def conv_quantized(
@@ -278,10 +288,7 @@ def conv_quantized(
 
     batch, frames, padded_height, padded_width, in_channels = q_BTHWC.shape
     kt, kh, kw = weight.kernel_size
-    if in_channels != weight.in_channels:
-        raise ValueError(f"fp8 conv: the input has {in_channels} channels, the weight takes {weight.in_channels}")
-    if frames < kt:
-        raise ValueError(f"fp8 conv: {frames} input frames for a kernel {kt} frames deep")
+    _check_input(q_BTHWC.shape, weight)
     tiling = (tiling or Tiling()).fit(in_channels, weight.out_channels)
     out_frames, out_height, out_width = frames - kt + 1, padded_height - kh + 1, padded_width - kw + 1
     out = q_BTHWC.new_empty(batch, out_frames, out_height, out_width, weight.out_channels, dtype=out_dtype)

@@ -61,7 +61,7 @@ def test_quantize_padded_rounds_as_torch_does_and_pads_with_zeros():
     assert not q.float()[~inside].any()
 
 
-def test_bad_tilings_and_channels_are_refused_naming_them():
+def test_bad_tilings_and_channels_are_refused_naming_them(monkeypatch):
     with pytest.raises(ValueError, match=r"write it as BMxBNkBKwWARPSsSTAGES"):
         fp8_conv.Tiling.parse("128x256")
     with pytest.raises(ValueError, match=r"bn must be a power of two of at least 16, got 96"):
@@ -71,6 +71,11 @@ def test_bad_tilings_and_channels_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"input channels must be multiples of 32 .* got 48 -> 24"):
         fp8_conv.pack_weight(torch.randn(24, 48, 3, 3, 3))
     packed = fp8_conv.pack_weight(torch.randn(16, 32, 3, 3, 3))
+
+    def no_kernel(*args):  # the input is refused before any kernel runs (a GPU would reject CPU tensors)
+        raise AssertionError("quantized an input it then refused")
+
+    monkeypatch.setattr(fp8_conv, "quantize_padded", no_kernel)
     with pytest.raises(ValueError, match=r"the input has 64 channels, the weight takes 32"):
         fp8_conv.fp8_conv(torch.randn(1, 3, 2, 2, 64), packed, (1, 1))
     with pytest.raises(ValueError, match=r"2 input frames for a kernel 3 frames deep"):
