@@ -229,3 +229,45 @@ def test_helios_pyramid_serves_singletons_because_merging_changes_each_request(l
         merged = pipe.pipe(**pipe.call_args(items), return_dict=False)[0].float()
     for i in range(2):
         assert (merged[i] - alone[i]).abs().max() > 0.01, f"request {i} merged equals its singleton"
+
+
+def _scheduler_with(gamma: float):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(scheduler=SimpleNamespace(config=SimpleNamespace(gamma=gamma)))
+
+
+def test_pyramid_block_noise_works_at_the_released_gamma_where_diffusers_float32_covariance_is_indefinite():
+    """At the released ``gamma = 1/3`` diffusers' float32 covariance has a negative eigenvalue (its
+    Cholesky factorization succeeds or fails by the CPU's rounding); ``block_noise`` factors it in
+    float64 and draws noise with that covariance. Where float32 is well conditioned (``gamma``
+    0.25, the tiny checkpoint's), it equals diffusers' draw within float32 rounding; the served
+    pyramid pipeline uses it."""
+    from diffusers import HeliosPyramidPipeline
+
+    third = 1 / 3
+    float32_cov = torch.eye(4) * (1 + third) - torch.ones(4, 4) * third + torch.eye(4) * 1e-8
+    assert torch.linalg.eigvalsh(float32_cov.double()).min() < 0  # diffusers' matrix, not positive definite
+
+    noise = helios.block_noise(_scheduler_with(third), 2, 4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert noise.shape == (2, 4, 3, 64, 64) and noise.dtype == torch.float32
+    patches = noise.view(2, 4, 3, 32, 2, 32, 2).permute(0, 1, 2, 3, 5, 4, 6).reshape(-1, 4).double()
+    expected = torch.eye(4, dtype=torch.float64) * (1 + third) - third
+    torch.testing.assert_close(patches.T @ patches / len(patches), expected, rtol=0, atol=0.02)
+
+    pipe = _scheduler_with(0.25)
+    ours = helios.block_noise(pipe, 1, 4, 2, 16, 32, generator=torch.Generator().manual_seed(3))
+    theirs = HeliosPyramidPipeline.sample_block_noise(pipe, 1, 4, 2, 16, 32, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_served_pyramid_pipeline_draws_block_noise_in_float64(loaded):
+    """The loaded Helios-Distilled pipeline's ``sample_block_noise`` is ``block_noise``: it serves a
+    request at the released ``gamma`` (1/3) on any CPU."""
+    pipe, ctx = loaded(HeliosPyramidT2VPipeline, "tiny/helios-distilled")
+    pipe.pipe.scheduler.register_to_config(gamma=1 / 3)
+    try:
+        video = _run(pipe, ctx, prompt="a lighthouse", seed=5, num_inference_steps=1)
+    finally:
+        pipe.pipe.scheduler.register_to_config(gamma=0.25)
+    assert video.shape == (33, 3, 32, 32) and torch.isfinite(video).all()

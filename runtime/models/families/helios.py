@@ -47,15 +47,19 @@ transformers keep 40 (tiny) blocks. 2 and 4 gloo ranks match one rank within 5e-
 each chunk with ``vae.decode``, so each chunk's decode splits by row bands across the decode group
 as Wan's does (``wan_decode``; 2 ranks match the serial decode within 1e-5, ``tests/test_wan_decode.py``).
 
-Two diffusers 0.42.1 gaps are covered here: CFG-Zero* views the transformer's output, which is not
-contiguous where a pyramid stage is one patch wide (``_contiguous_output``); and the Helios
+Three diffusers 0.42.1 gaps are covered here: CFG-Zero* views the transformer's output, which is not
+contiguous where a pyramid stage is one patch wide (``_contiguous_output``); the Helios
 pipelines call ``ftfy.fix_text`` on every prompt without checking that ftfy is installed (Wan's
 pipelines check): without ftfy, ``guard_missing_ftfy`` makes them skip it, as Wan's do (HTML
-unescaping and whitespace cleaning still run).
+unescaping and whitespace cleaning still run); and the pyramid's block noise factors its
+covariance in float32, where at the released ``gamma`` (1/3) the matrix is singular or slightly
+indefinite, so whether the Cholesky factorization succeeds depends on the CPU's rounding (it
+fails on an AVX-512 AMD EPYC): ``block_noise`` factors it in float64 (``tests/test_hunyuan_helios.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -161,7 +165,8 @@ def build_tiny_helios_distilled():
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
-        scheduler=HeliosDMDScheduler(),
+        # gamma 0.25, not the released 1/3: diffusers' float32 block noise is well posed there (block_noise)
+        scheduler=HeliosDMDScheduler(gamma=0.25),
         transformer=_tiny_transformer(),
         is_cfg_zero_star=False,
         is_distilled=True,  # as Helios-Distilled
@@ -172,7 +177,7 @@ TINY_HELIOS_BASE = TinyCheckpoint(
     name="tiny-helios-base-v1", seed=20250709, build=build_tiny_helios_base, ref=f"{__name__}:TINY_HELIOS_BASE"
 )
 TINY_HELIOS_DISTILLED = TinyCheckpoint(
-    name="tiny-helios-distilled-v1",
+    name="tiny-helios-distilled-v2",
     seed=20250710,
     build=build_tiny_helios_distilled,
     ref=f"{__name__}:TINY_HELIOS_DISTILLED",
@@ -189,6 +194,42 @@ def _contiguous_output(module, args, output):
     if isinstance(output, tuple):
         return tuple(o.contiguous() if torch.is_tensor(o) else o for o in output)
     return output
+
+
+def block_noise(
+    pipe,
+    batch_size: int,
+    channel: int,
+    num_frames: int,
+    height: int,
+    width: int,
+    patch_size: tuple[int, ...] = (1, 2, 2),
+    device: torch.device | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``HeliosPyramidPipeline.sample_block_noise`` with its covariance factored in float64: noise
+    correlated within each ``ph x pw`` patch, ``cov = (1 + gamma) I - gamma 11^T + 1e-8 I``.
+
+    diffusers builds ``cov`` in float32, where ``1 + 1/3 - 1/3`` rounds to 1 and the 1e-8 is lost, so
+    at the released ``gamma = 1/3`` its smallest eigenvalue is -3e-8 and ``torch.linalg.cholesky``
+    fails or not by rounding. In float64 the matrix is positive definite (smallest eigenvalue about
+    1e-8) for every ``gamma <= 1/3``; its factor is rounded to float32 and the draw is diffusers'
+    (the same generator calls, in the same order). Where the float32 factorization is well
+    conditioned, the noise equals diffusers' within float32 rounding."""
+    if generator is None:
+        generator = torch.Generator(device=device)
+    elif isinstance(generator, list):
+        generator = generator[0]
+    gamma = float(pipe.scheduler.config.gamma)
+    _, ph, pw = patch_size
+    block_size = ph * pw
+    eye = torch.eye(block_size, dtype=torch.float64)
+    cov = eye * (1 + gamma) - torch.ones(block_size, block_size, dtype=torch.float64) * gamma + eye * 1e-8
+    factor = torch.linalg.cholesky(cov).to(device=device, dtype=torch.float32)
+    block_number = batch_size * channel * num_frames * (height // ph) * (width // pw)
+    z = torch.randn(block_number, block_size, generator=generator, device=generator.device).to(device=device)
+    noise = (z @ factor.T).view(batch_size, channel, num_frames, height // ph, width // pw, ph, pw)
+    return noise.permute(0, 1, 2, 3, 5, 4, 6).reshape(batch_size, channel, num_frames, height, width)
 
 
 class HeliosParams(T2VParams, forbid_unknown_fields=True, kw_only=True):
@@ -289,6 +330,7 @@ class HeliosPyramidT2VPipeline(StepDistilled, HeliosT2VPipeline):
         """Pyramid stages per chunk (3 as released)."""
         self.size_multiple = pipe.vae_scale_factor_spatial * 2 * 2 ** (self.stages - 1)
         """Every stage's latent sides must still split into 2x2 patches (64 with the released VAE)."""
+        pipe.sample_block_noise = functools.partial(block_noise, pipe)
         if not getattr(pipe.transformer, "_tilecast_contiguous_output", False):
             pipe.transformer.register_forward_hook(_contiguous_output)
             pipe.transformer._tilecast_contiguous_output = True
