@@ -48,10 +48,13 @@ def _triton_kernel():
         ROWS: tl.constexpr,
     ):
         dtype = y_ptr.dtype.element_ty
-        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        # ROWS channel rows from a 64-bit base, 32-bit offsets within the block.
+        rows = tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < channels
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
+        mask = (tl.program_id(0) * ROWS + rows < num_rows)[:, None] & col_ok[None, :]
+        base = tl.program_id(0).to(tl.int64) * ROWS * channels
+        y_ptr, residual_ptr = y_ptr + base, residual_ptr + base
         offsets = rows[:, None] * channels + cols[None, :]
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = (tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + bias[None, :]).to(dtype)

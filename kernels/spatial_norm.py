@@ -9,8 +9,8 @@ latent ``zq`` at latent resolution, already gathered to ``h``'s frames (``y_BTHW
 rows and ``W / rw`` columns); ``up`` repeats each of their pixels ``rh`` x ``rw`` times (nearest
 upsampling). ``reference`` is the PyTorch composition (every op rounds to ``h``'s dtype, in
 diffusers' order); ``triton_fused`` is one Triton kernel that reads ``h`` once and writes the
-result once, one program per block of pixels with the whole channel row in registers, and rounds
-to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Performance).
+result once, one program per block of pixels of one image row (``line_tiling``) with the whole
+channel row in registers, and rounds to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Performance).
 
 ``norm_modulate_silu`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 ``norm_modulate_silu_e4m3`` is the same kernel writing e4m3 with zero padding around every frame,
@@ -56,13 +56,29 @@ ROW_BLOCK_ELEMENTS = 4096
 
 
 def row_tiling(num_rows: int, channels: int) -> tuple[tuple[int], int, int]:
-    """``(grid, BLOCK_C, ROWS)`` of the channels-last row kernels (here, ``upsample``,
-    ``channel_bias``): one program per ``ROWS`` pixels, each a whole channel row padded to a power of two."""
+    """``(grid, BLOCK_C, ROWS)`` of the channels-last row kernels (``channel_bias``): one program
+    per ``ROWS`` pixels, each a whole channel row padded to a power of two."""
     import triton
 
     block_c = triton.next_power_of_2(channels)
     rows = max(1, ROW_BLOCK_ELEMENTS // block_c)
     return (triton.cdiv(num_rows, rows),), block_c, rows
+
+
+def line_tiling(lines: int, width: int, channels: int) -> tuple[tuple[int, int], int, int]:
+    """``(grid, BLOCK_C, COLS)`` of the kernels that work line by line (here, ``upsample``'s
+    interleave): program ``(i, j)`` computes pixels ``j COLS .. (j + 1) COLS`` of image row ``i``
+    (batch, frame and row together), every channel. So where a pixel comes from is one division
+    per program, never per pixel (64-bit divisions per pixel made these kernels instruction-bound).
+    ``COLS``: ``ROW_BLOCK_ELEMENTS`` values per program, halved while a row's last program would
+    leave more than 1/16 of the row's lanes idle (a padded width, such as 770)."""
+    import triton
+
+    block_c = triton.next_power_of_2(channels)
+    cols = max(1, ROW_BLOCK_ELEMENTS // block_c)
+    while cols > 1 and triton.cdiv(width, cols) * cols * 16 > width * 17:
+        cols //= 2
+    return (lines, triton.cdiv(width, cols)), block_c, cols
 
 
 @functools.cache
@@ -80,48 +96,41 @@ def _triton_kernel():
         out_ptr,
         out_scale_ptr,
         scale,
-        num_rows,
         channels,
         height,
         width,
         latent_height,
         latent_width,
         rh,
-        rw,
-        padded_height,
-        padded_width,
+        out_height,
+        out_width,
         PH,
         PW,
+        RW: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         E4M3: tl.constexpr,
         INTERPRETED: tl.constexpr,
         BLOCK_C: tl.constexpr,
-        ROWS: tl.constexpr,
+        COLS: tl.constexpr,
     ):
-        # A block of ROWS pixels of the output, every channel: h's pixels, or with E4M3 the padded
-        # grid's (the padding gets zeros).
+        # COLS pixels of one output row (line_tiling), every channel: h's rows, or with E4M3 the
+        # padded grid's (its padding gets zeros). Rows and frames are per program; offsets within
+        # a row are 32-bit, from 64-bit row bases.
         dtype = h_ptr.dtype.element_ty
-        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        line = tl.program_id(0)
+        frame = line // out_height  # batch and frame together
+        row = line % out_height - PH
+        out_col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        col = out_col - PW
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < channels
-        out_offsets = rows[:, None] * channels + cols[None, :]
-        out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        if E4M3:
-            padded_col = rows % padded_width
-            padded_row = (rows // padded_width) % padded_height
-            col, row = padded_col - PW, padded_row - PH
-            frame = rows // padded_width // padded_height
-            inside = (rows < num_rows) & (row >= 0) & (row < height) & (col >= 0) & (col < width)
-            source = (frame * height + row) * width + col
-        else:
-            col = rows % width
-            row = (rows // width) % height
-            frame = rows // width // height
-            inside = rows < num_rows
-            source = rows
+        rows = tl.zeros_like(col) + row  # per pixel: the interpreter cannot put a scalar condition in a mask
+        inside = (col >= 0) & (col < width) & (rows >= 0) & (rows < height)
         mask = inside[:, None] & col_ok[None, :]
+        out_mask = (out_col < out_width)[:, None] & col_ok[None, :]
 
-        x = tl.load(h_ptr + source[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h_row = h_ptr + (frame * height + row).to(tl.int64) * width * channels
+        x = tl.load(h_row + col[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
             x = (x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
             x = x.to(tl.float32)
@@ -133,25 +142,27 @@ def _triton_kernel():
         n = (n * gamma[None, :]).to(dtype).to(tl.float32)
 
         # The y/b pixel every output pixel repeats.
-        small = (frame * latent_height + row // rh) * latent_width + col // rw
-        small_offsets = small[:, None] * channels + cols[None, :]
+        small_row = (frame * latent_height + row // rh).to(tl.int64) * latent_width * channels
+        small_offsets = small_row + (col // RW)[:, None] * channels + cols[None, :]
         y = tl.load(y_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
         m = (n * y).to(dtype).to(tl.float32)
         m = (m + b).to(dtype).to(tl.float32)
         result = tl.fdiv(m, 1.0 + tl.exp(-m)).to(dtype)
+        out_offsets = out_col[:, None] * channels + cols[None, :]
+        out_row = out_ptr + line.to(tl.int64) * out_width * channels
         if E4M3 and INTERPRETED:  # fp8.to_e4m3 exactly: rounded in float32 first, as fp8_conv's quantize (see there)
             q = tl.clamp(tl.where(mask, result.to(tl.float32), 0.0) / tl.load(out_scale_ptr), -448.0, 448.0)
             bits = q.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
             subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
             q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
-            tl.store(out_ptr + out_offsets, q.to(tl.float8e4nv), mask=out_mask)
+            tl.store(out_row + out_offsets, q.to(tl.float8e4nv), mask=out_mask)
         elif E4M3:  # the GPU's conversion rounds to nearest itself; times the inverse scale, not divided
             q = tl.where(mask, result.to(tl.float32), 0.0) * (1.0 / tl.load(out_scale_ptr))
-            tl.store(out_ptr + out_offsets, tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), mask=out_mask)
+            tl.store(out_row + out_offsets, tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), mask=out_mask)
         else:
-            tl.store(out_ptr + out_offsets, result, mask=out_mask)
+            tl.store(out_row + out_offsets, result, mask=out_mask)
 
     return spatial_norm_silu_kernel
 
@@ -160,8 +171,8 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
     """The kernel over ``out``'s pixels (``h``'s, or with ``out_scale`` its padded e4m3 grid)."""
     h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
     _, _, height, width, channels = h_BTHWC.shape
-    num_rows = out.numel() // channels
-    grid, block_c, rows = row_tiling(num_rows, channels)
+    out_height, out_width = out.shape[2], out.shape[3]
+    grid, block_c, cols = line_tiling(out.numel() // (out_width * channels), out_width, channels)
     _triton_kernel()[grid](
         h_BTHWC,
         gamma_C if h_bias_C is None else h_bias_C.contiguous(),
@@ -171,22 +182,21 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         out,
         gamma_C if out_scale is None else out_scale,
         float(scale),
-        num_rows,
         channels,
         height,
         width,
         height // rh,
         width // rw,
         rh,
-        rw,
-        out.shape[2],
-        out.shape[3],
+        out_height,
+        out_width,
         *padding_hw,
+        RW=rw,
         HAS_BIAS=h_bias_C is not None,
         E4M3=out_scale is not None,
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_C=block_c,
-        ROWS=rows,
+        COLS=cols,
         num_warps=8 if block_c >= 1024 else 4,
     )
     return out

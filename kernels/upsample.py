@@ -4,7 +4,7 @@
 (dropping the first copy in the first segment) and repeats the first frame in front of the first
 segment's causal convolutions. Done in PyTorch as a copy from a broadcast view, that copy runs
 PyTorch's generic strided kernel (one element per thread), a large share of a tile's decode
-(README, Performance). ``triton_repeat`` copies whole frames in blocks of channel rows instead,
+(README, Performance). ``triton_repeat`` copies whole frames in contiguous blocks instead,
 and can write into a slice of a larger buffer (``out``), such as a causal convolution's input.
 Triton on CUDA when it is importable, else ``reference``; both are exact copies, equal bit for bit.
 
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from tilecast.kernels.spatial_norm import row_tiling, triton_available
+from tilecast.kernels.spatial_norm import line_tiling, triton_available
 
 
 def output_shape(x_BTHWC: torch.Tensor, rt: int, drop: int) -> tuple[int, ...]:
@@ -51,35 +51,29 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def repeat_frames_kernel(
-        x_ptr,
-        out_ptr,
-        num_rows,
-        channels,
-        frames,
-        frame_rows,
-        out_frames,
-        rt,
-        drop,
-        BLOCK_C: tl.constexpr,
-        ROWS: tl.constexpr,
-    ):
-        # Output channel row ``r`` is pixel ``r % frame_rows`` of output frame ``r // frame_rows``.
-        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        cols = tl.arange(0, BLOCK_C)
-        mask = (rows < num_rows)[:, None] & (cols < channels)[None, :]
-        pixel = rows % frame_rows
-        frame = rows // frame_rows
-        batch = frame // out_frames
-        source = (batch * frames + (frame % out_frames + drop) // rt) * frame_rows + pixel
-        values = tl.load(x_ptr + source[:, None] * channels + cols[None, :], mask=mask)
-        tl.store(out_ptr + rows[:, None] * channels + cols[None, :], values, mask=mask)
+    def repeat_frames_kernel(x_ptr, out_ptr, frame_size, frames, out_frames, rt, drop, BLOCK: tl.constexpr):
+        # A program copies BLOCK elements of one output frame (batch and frame together) from its
+        # source frame: where they come from is a division per program, none per element.
+        blocks = tl.cdiv(frame_size, BLOCK)
+        frame, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
+        batch, t = frame // out_frames, frame % out_frames
+        source = batch * frames + (t + drop) // rt
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < frame_size
+        values = tl.load(x_ptr + source.to(tl.int64) * frame_size + offsets, mask=mask)
+        tl.store(out_ptr + frame.to(tl.int64) * frame_size + offsets, values, mask=mask)
 
     return repeat_frames_kernel
 
 
+FRAME_BLOCK = 4096
+"""Elements of a frame one program of ``triton_repeat`` copies."""
+
+
 def triton_repeat(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """``reference`` in one Triton kernel (CUDA tensors); straight into ``out`` when it is contiguous."""
+    import triton
+
     shape = output_shape(x_BTHWC, rt, drop)
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
@@ -87,23 +81,10 @@ def triton_repeat(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tens
         return out.copy_(triton_repeat(x_BTHWC, rt, drop))
     x_BTHWC = x_BTHWC.contiguous()
     out = x_BTHWC.new_empty(shape) if out is None else out
-    _, frames, height, width, channels = x_BTHWC.shape
-    num_rows = out.numel() // channels
-    grid, block_c, rows = row_tiling(num_rows, channels)
-    _triton_kernel()[grid](
-        x_BTHWC,
-        out,
-        num_rows,
-        channels,
-        frames,
-        height * width,
-        shape[1],
-        rt,
-        drop,
-        BLOCK_C=block_c,
-        ROWS=rows,
-        num_warps=4,
-    )
+    batch, frames = x_BTHWC.shape[:2]
+    frame_size = x_BTHWC[0, 0].numel()
+    grid = (batch * shape[1] * triton.cdiv(frame_size, FRAME_BLOCK),)
+    _triton_kernel()[grid](x_BTHWC, out, frame_size, frames, shape[1], rt, drop, BLOCK=FRAME_BLOCK, num_warps=4)
     return out
 
 
@@ -143,24 +124,25 @@ def _triton_phases_kernel():
 
     @triton.jit
     def interleave_phases_kernel(
-        y_ptr, bias_ptr, out_ptr, num_rows, channels, out_height, out_width, BLOCK_C: tl.constexpr, ROWS: tl.constexpr
+        y_ptr, bias_ptr, out_ptr, channels, out_height, out_width, BLOCK_C: tl.constexpr, COLS: tl.constexpr
     ):
+        # COLS pixels of one output row (spatial_norm.line_tiling), every channel: output row
+        # 2i + a reads phase row i + a, output column 2j + e phase column j + e, channel group 2a + e.
         dtype = out_ptr.dtype.element_ty
-        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        line = tl.program_id(0)
+        frame, row = line // out_height, line % out_height  # batch and frame together
+        a = row % 2
+        col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        e = col % 2
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < channels
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        col = rows % out_width
-        rest = rows // out_width
-        row = rest % out_height
-        frame = rest // out_height  # batch and frame together
-        a = row % 2
-        e = col % 2
-        source = (frame * (out_height // 2 + 1) + row // 2 + a) * (out_width // 2 + 1) + col // 2 + e
-        offsets = source * (4 * channels) + (2 * a + e) * channels
+        mask = (col < out_width)[:, None] & col_ok[None, :]
+        source_row = (frame * (out_height // 2 + 1) + row // 2 + a).to(tl.int64) * (out_width // 2 + 1) * 4 * channels
+        offsets = ((col // 2 + e) * 4 * channels + (2 * a + e) * channels)[:, None] + cols[None, :]
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        values = tl.load(y_ptr + offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * channels + cols[None, :], (values + bias[None, :]).to(dtype), mask=mask)
+        values = tl.load(y_ptr + source_row + offsets, mask=mask, other=0.0).to(tl.float32)
+        out_row = out_ptr + line.to(tl.int64) * out_width * channels
+        tl.store(out_row + col[:, None] * channels + cols[None, :], (values + bias[None, :]).to(dtype), mask=mask)
 
     return interleave_phases_kernel
 
@@ -170,11 +152,10 @@ def triton_phases(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
     shape = phases_shape(y_BTHWC)
     y_BTHWC = y_BTHWC.contiguous()
     out = y_BTHWC.new_empty(shape)
-    channels = shape[-1]
-    num_rows = out.numel() // channels
-    grid, block_c, rows = row_tiling(num_rows, channels)
+    batch, frames, out_height, out_width, channels = shape
+    grid, block_c, cols = line_tiling(batch * frames * out_height, out_width, channels)
     _triton_phases_kernel()[grid](
-        y_BTHWC, bias_C, out, num_rows, channels, shape[2], shape[3], BLOCK_C=block_c, ROWS=rows, num_warps=4
+        y_BTHWC, bias_C, out, channels, out_height, out_width, BLOCK_C=block_c, COLS=cols, num_warps=4
     )
     return out
 

@@ -3,16 +3,28 @@ time (no GPU needed) at the K-VAE decoder's layers, as the JIT specializes them 
 strides and the width divisible by 16), and print, as one JSON line, how often each operation that
 matters for speed appears in their TTGIR, and the most warp-group products a wait in them leaves in
 flight: ``{"<in_channels> <tiling>": {op: count, "in_flight": n}}``. Run without
-``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``)."""
+``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``).
+
+``python tests/hopper_codegen.py rows``: the K-VAE decoder's memory-bound kernels (spatial norm in
+bf16 and e4m3, phase interleave, frame repeat, bias add) in sm_90 SASS, disassembled with the
+``nvdisasm`` Triton ships, as ``{"<kernel> <channels>": {"per_value": instructions per value a
+thread computes, "calls": subroutine calls}}`` (a 64-bit division per pixel compiles to a call;
+``tests/test_triton_kernels.py``)."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
+from tilecast.kernels import channel_bias, spatial_norm, upsample
 from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, default_tiling, reuse_tiling
 
 OPS = ("warp_group_dot", "async_copy_global_to_local")
@@ -35,7 +47,65 @@ def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
     return compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
 
 
-if __name__ == "__main__":
+def hopper_sass(kernel, types: dict[str, str], constants: dict, num_warps: int) -> list[str]:
+    """``kernel`` compiled for sm_90 (integers ``i32`` unless ``types`` says otherwise; pointers and
+    sizes the JIT would see divisible by 16 marked so) and disassembled: one opcode per instruction."""
+    names = kernel.arg_names
+    aligned = [name for name in names if name.endswith("_ptr") or name in ("channels", "frame_size")]
+    source = ASTSource(
+        fn=kernel,
+        signature={name: "constexpr" if name in constants else types.get(name, "i32") for name in names},
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+    )
+    cubin = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        listing = subprocess.run([nvdisasm, "-c", file.name], capture_output=True, text=True, check=True).stdout
+    instruction = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+    return [match.group(1) for line in listing.splitlines() if (match := instruction.match(line))]
+
+
+def row_kernel_sass(channels: int) -> dict[str, dict[str, float]]:
+    """SASS counts of the decoder's memory-bound kernels at ``channels`` (bf16), as their launchers tile them."""
+    bf16 = {name: "*bf16" for name in ("h_ptr", "h_bias_ptr", "gamma_ptr", "y_ptr", "b_ptr", "out_ptr", "x_ptr")}
+    bf16 |= {"bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_scale_ptr": "*fp32", "scale": "fp32"}
+    _, block_c, cols = spatial_norm.line_tiling(1, 768, channels)
+    _, _, rows = spatial_norm.row_tiling(1, channels)
+    norm = dict(RW=2, HAS_BIAS=True, INTERPRETED=False, BLOCK_C=block_c, COLS=cols)
+    norm_warps = 8 if block_c >= 1024 else 4
+    kernels = {  # name: (kernel, types, constants, warps, values per program)
+        "norm": (spatial_norm._triton_kernel(), bf16, norm | {"E4M3": False}, norm_warps, cols * block_c),
+        "norm_e4m3": (
+            spatial_norm._triton_kernel(),
+            bf16 | {"out_ptr": "*fp8e4nv"},
+            norm | {"E4M3": True},
+            norm_warps,
+            cols * block_c,
+        ),
+        "interleave": (upsample._triton_phases_kernel(), bf16, dict(BLOCK_C=block_c, COLS=cols), 4, cols * block_c),
+        "repeat": (upsample._triton_kernel(), bf16, dict(BLOCK=upsample.FRAME_BLOCK), 4, upsample.FRAME_BLOCK),
+        "add_bias": (
+            channel_bias._triton_kernel(),
+            bf16,
+            dict(HAS_RESIDUAL=True, BLOCK_C=block_c, ROWS=rows),
+            4,
+            rows * block_c,
+        ),
+    }
+    counts = {}
+    for name, (kernel, types, constants, warps, values) in kernels.items():
+        ops = hopper_sass(kernel, types, constants, warps)
+        per_thread = values / (32 * warps)
+        counts[f"{name} {channels}"] = {"per_value": round(len(ops) / per_thread, 1), "calls": ops.count("CALL")}
+    return counts
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["rows"]:
+    print(json.dumps({key: value for channels in (16, 256, 2048) for key, value in row_kernel_sass(channels).items()}))
+elif __name__ == "__main__":
     counts = {}
     for in_channels in (256, 16):
         for tiling in (default_tiling(in_channels), reuse_tiling(in_channels)):

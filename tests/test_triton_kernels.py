@@ -50,7 +50,9 @@ def test_triton_frame_repeat_is_the_reference_copy(shape, rt, drop):
 
 
 @pytest.mark.parametrize("dtype", ARITHMETIC_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 2, 5, 7, 4 * 256), (2, 3, 2, 2, 4 * 24), (1, 1, 9, 4, 4 * 2048)])
+@pytest.mark.parametrize(
+    "shape", [(1, 2, 5, 7, 4 * 256), (2, 3, 2, 2, 4 * 24), (1, 1, 9, 4, 4 * 2048), (1, 1, 2, 10, 4 * 256)]
+)
 def test_triton_phase_interleave_is_the_reference(shape, dtype):
     from tilecast.kernels.upsample import phases_reference, triton_phases
 
@@ -176,3 +178,30 @@ def test_triton_piflow_step_is_diffusers_step(dtype, num_steps, config, shape):
         expected = scheduler.step(output, timestep, sample, return_dict=False)[0]
         got = piflow.triton_rollout(sample, output, schedule[index])
         assert torch.equal(got, expected), f"step {index}: max diff {(got.float() - expected.float()).abs().max()}"
+
+
+def test_memory_bound_kernels_compile_without_per_pixel_division():
+    """The decoder's memory-bound kernels (spatial norm in bf16 and e4m3, phase interleave, frame
+    repeat, bias add), compiled for sm_90 SASS ahead of time (no GPU needed: Triton ships ptxas and
+    nvdisasm), call no subroutine and stay within an instruction budget per value. Where a pixel's
+    row, frame and source came from 64-bit divisions per pixel, each compiled to calls (10-13 per
+    kernel) and the interleave and repeat took 22-25 instructions per value, the norm 53-57 before
+    its calls' own (``python tests/hopper_codegen.py rows`` prints the counts). In a process of its
+    own, without ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py`` says why)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = [sys.executable, "-P", str(repo / "tests" / "hopper_codegen.py"), "rows"]
+    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    budget = {"norm": 45, "norm_e4m3": 52, "interleave": 10, "repeat": 6, "add_bias": 8}
+    assert len(counts) == 3 * len(budget), counts  # 16, 256 and 2048 channels
+    for key, count in counts.items():
+        assert count["calls"] == 0, (key, count)
+        assert count["per_value"] <= budget[key.split()[0]], (key, count)
