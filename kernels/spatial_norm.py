@@ -130,24 +130,25 @@ def _triton_kernel():
         out_mask = (out_col < out_width)[:, None] & col_ok[None, :]
 
         h_row = h_ptr + (frame * height + row).to(tl.int64) * width * channels
-        x = tl.load(h_row + col[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # An op whose operands are both in h's dtype runs in that dtype: for bf16, one rounding of the
+        # exact result, which is what PyTorch's float32 op then rounding to bf16 gives (float32 has
+        # more than twice bf16's precision, so the double rounding never differs), in packed bf16
+        # instructions without conversions. Ops with a float32 operand (the norm, scale) run in float32.
+        x = tl.load(h_row + col[:, None] * channels + cols[None, :], mask=mask, other=0.0)
         if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
-            x = (x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
-            x = x.to(tl.float32)
+            x = x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        x = x.to(tl.float32)
         # Divisions are per row or fast (a full-precision one per element made the kernel compute-bound).
         inverse = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)  # F.normalize's eps
         n = (x * inverse[:, None]).to(dtype).to(tl.float32)
-        n = (n * scale).to(dtype).to(tl.float32)
-        gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        n = (n * gamma[None, :]).to(dtype).to(tl.float32)
+        n = (n * scale).to(dtype)
+        n = n * tl.load(gamma_ptr + cols, mask=col_ok, other=0.0)[None, :]
 
         # The y/b pixel every output pixel repeats.
         small_row = (frame * latent_height + row // rh).to(tl.int64) * latent_width * channels
         small_offsets = small_row + (col // RW)[:, None] * channels + cols[None, :]
-        y = tl.load(y_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + small_offsets, mask=mask, other=0.0).to(tl.float32)
-        m = (n * y).to(dtype).to(tl.float32)
-        m = (m + b).to(dtype).to(tl.float32)
+        m = n * tl.load(y_ptr + small_offsets, mask=mask, other=0.0)
+        m = (m + tl.load(b_ptr + small_offsets, mask=mask, other=0.0)).to(tl.float32)
         result = tl.fdiv(m, 1.0 + tl.exp(-m)).to(dtype)
         out_offsets = out_col[:, None] * channels + cols[None, :]
         out_row = out_ptr + line.to(tl.int64) * out_width * channels

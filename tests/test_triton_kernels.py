@@ -186,8 +186,10 @@ def test_memory_bound_kernels_compile_without_per_pixel_division():
     nvdisasm), call no subroutine and stay within an instruction budget per value. Where a pixel's
     row, frame and source came from 64-bit divisions per pixel, each compiled to calls (10-13 per
     kernel) and the interleave and repeat took 22-25 instructions per value, the norm 53-57 before
-    its calls' own (``python tests/hopper_codegen.py rows`` prints the counts). In a process of its
-    own, without ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py`` says why)."""
+    its calls' own; with the divisions gone and before the norm's bf16 operations ran packed, the
+    e4m3 norm took 49.5 at 2048 channels (``python tests/hopper_codegen.py rows`` prints the
+    counts). In a process of its own, without ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``
+    says why)."""
     import json
     import os
     import subprocess
@@ -200,7 +202,7 @@ def test_memory_bound_kernels_compile_without_per_pixel_division():
     done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    budget = {"norm": 45, "norm_e4m3": 52, "interleave": 10, "repeat": 6, "add_bias": 8}
+    budget = {"norm": 40, "norm_e4m3": 45, "interleave": 10, "repeat": 6, "add_bias": 8}
     assert len(counts) == 3 * len(budget), counts  # 16, 256 and 2048 channels
     for key, count in counts.items():
         assert count["calls"] == 0, (key, count)
