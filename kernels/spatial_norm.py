@@ -10,7 +10,8 @@ rows and ``W / rw`` columns); ``up`` repeats each of their pixels ``rh`` x ``rw`
 upsampling). ``reference`` is the PyTorch composition (every op rounds to ``h``'s dtype, in
 diffusers' order); ``triton_fused`` is one Triton kernel that reads ``h`` once and writes the
 result once, one program per block of pixels of one image row (``line_tiling``) with the whole
-channel row in registers, and rounds to ``h``'s dtype at the same points as ``reference`` (why it exists: README, Performance).
+channel row in registers, and rounds to ``h``'s dtype at the same points as ``reference`` (why it
+exists: README, Performance).
 
 ``norm_modulate_silu`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 ``norm_modulate_silu_e4m3`` is the same kernel writing e4m3 with zero padding around every frame,
