@@ -82,6 +82,11 @@ def line_tiling(lines: int, width: int, channels: int) -> tuple[tuple[int, int],
     return (lines, triton.cdiv(width, cols)), block_c, cols
 
 
+def num_warps(block_c: int) -> int:
+    """Warps of a spatial-norm program whose channel rows are ``block_c`` wide."""
+    return 8 if block_c >= 1024 else 4
+
+
 @functools.cache
 def _triton_kernel():
     import triton
@@ -199,7 +204,7 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_C=block_c,
         COLS=cols,
-        num_warps=8 if block_c >= 1024 else 4,
+        num_warps=num_warps(block_c),
     )
     return out
 

@@ -30,35 +30,38 @@ from tilecast.kernels.narrow_conv import Tiling, _triton_kernel, default_tiling,
 OPS = ("warp_group_dot", "async_copy_global_to_local")
 
 
+def hopper_compile(kernel, types: dict[str, str], constants: dict, aligned: list[str], **options):
+    """``kernel`` compiled for sm_90: arguments ``i32`` unless ``types`` says otherwise, ``constants``
+    as constexprs, the ``aligned`` ones marked divisible by 16 (as the JIT sees them at the decoder's sizes)."""
+    names = kernel.arg_names
+    source = ASTSource(
+        fn=kernel,
+        signature={name: "constexpr" if name in constants else types.get(name, "i32") for name in names},
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+    )
+    return compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
     kernel = _triton_kernel()
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "stride_xb": "i64", "stride_yb": "i64"}
     constants = dict(CIN=in_channels, KT=3, KH=3, KW=3, KP=3 * in_channels, NP=16, PH=1, PW=1)
     constants |= dict(BH=tiling.bh, BW=tiling.bw, BK=tiling.bk, PRECISION="tf32", REUSE=tiling.reuse)
-    names = kernel.arg_names
-    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride") or name == "width"]
-    source = ASTSource(
-        fn=kernel,
-        signature={name: "constexpr" if name in constants else types.get(name, "i32") for name in names},
-        constexprs={(names.index(name),): value for name, value in constants.items()},
-        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+    aligned = [
+        name for name in kernel.arg_names if name.endswith("_ptr") or name.startswith("stride") or name == "width"
+    ]
+    compiled = hopper_compile(
+        kernel, types, constants, aligned, num_warps=tiling.num_warps, num_stages=tiling.num_stages
     )
-    options = {"num_warps": tiling.num_warps, "num_stages": tiling.num_stages}
-    return compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+    return compiled.asm["ttgir"]
 
 
 def hopper_sass(kernel, types: dict[str, str], constants: dict, num_warps: int) -> list[str]:
-    """``kernel`` compiled for sm_90 (integers ``i32`` unless ``types`` says otherwise; pointers and
-    sizes the JIT would see divisible by 16 marked so) and disassembled: one opcode per instruction."""
-    names = kernel.arg_names
-    aligned = [name for name in names if name.endswith("_ptr") or name in ("channels", "frame_size")]
-    source = ASTSource(
-        fn=kernel,
-        signature={name: "constexpr" if name in constants else types.get(name, "i32") for name in names},
-        constexprs={(names.index(name),): value for name, value in constants.items()},
-        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
-    )
-    cubin = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
+    """``hopper_compile`` of ``kernel`` (pointers and ``channels`` / ``frame_size`` aligned), disassembled:
+    one opcode per instruction."""
+    aligned = [name for name in kernel.arg_names if name.endswith("_ptr") or name in ("channels", "frame_size")]
+    cubin = hopper_compile(kernel, types, constants, aligned, num_warps=num_warps).asm["cubin"]
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
@@ -75,7 +78,7 @@ def row_kernel_sass(channels: int) -> dict[str, dict[str, float]]:
     _, block_c, cols = spatial_norm.line_tiling(1, 768, channels)
     _, _, rows = spatial_norm.row_tiling(1, channels)
     norm = dict(RW=2, HAS_BIAS=True, INTERPRETED=False, BLOCK_C=block_c, COLS=cols)
-    norm_warps = 8 if block_c >= 1024 else 4
+    norm_warps = spatial_norm.num_warps(block_c)
     kernels = {  # name: (kernel, types, constants, warps, values per program)
         "norm": (spatial_norm._triton_kernel(), bf16, norm | {"E4M3": False}, norm_warps, cols * block_c),
         "norm_e4m3": (
