@@ -10,8 +10,8 @@ rows and ``W / rw`` columns); ``up`` repeats each of their pixels ``rh`` x ``rw`
 upsampling). ``reference`` is the PyTorch composition (every op rounds to ``h``'s dtype, in
 diffusers' order); ``triton_fused`` is one Triton kernel that reads ``h`` once and writes the
 result once, one program per block of pixels of one image row (``line_tiling``) with the whole
-channel row in registers, and rounds to ``h``'s dtype at the same points as ``reference`` (why it
-exists: README, Performance).
+channel row in registers, and rounds to ``h``'s dtype at the same points as ``reference`` but one
+(the modulation ``n * y + b`` is a fused multiply-add on the GPU) (why it exists: README, Performance).
 
 ``norm_modulate_silu`` picks the kernel: Triton on CUDA when it is importable, else ``reference``.
 ``norm_modulate_silu_e4m3`` is the same kernel writing e4m3 with zero padding around every frame,
@@ -139,7 +139,10 @@ def _triton_kernel():
         # An op whose operands are both in h's dtype runs in that dtype: for bf16, one rounding of the
         # exact result, which is what PyTorch's float32 op then rounding to bf16 gives (float32 has
         # more than twice bf16's precision, so the double rounding never differs), in packed bf16
-        # instructions without conversions. Ops with a float32 operand (the norm, scale) run in float32.
+        # instructions without conversions. Ops with a float32 operand (the norm, scale) run in
+        # float32. One exception, the compiler's (LLVM narrows float32 ops on bf16 values to bf16,
+        # then contracts; it did so before these ran in bf16 too): n * y + b is one fused
+        # multiply-add, rounded once where PyTorch rounds twice (tolerance: tests/test_triton_kernels.py).
         x = tl.load(h_row + col[:, None] * channels + cols[None, :], mask=mask, other=0.0)
         if HAS_BIAS:  # the previous convolution's bias, added here instead of in a pass of its own
             x = x + tl.load(h_bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
