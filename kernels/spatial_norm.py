@@ -178,7 +178,13 @@ def _triton_kernel():
 
 
 def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, out_scale=None, padding_hw=(0, 0)):
-    """The kernel over ``out``'s pixels (``h``'s, or with ``out_scale`` its padded e4m3 grid)."""
+    """The kernel over ``out``'s pixels (``h``'s, or with ``out_scale`` its padded e4m3 grid), written
+    straight into ``out`` when it is contiguous, else through a contiguous copy."""
+    if not out.is_contiguous():
+        work = torch.empty_like(out, memory_format=torch.contiguous_format)
+        return out.copy_(
+            _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, work, h_bias_C, out_scale, padding_hw)
+        )
     h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
     _, _, height, width, channels = h_BTHWC.shape
     out_height, out_width = out.shape[2], out.shape[3]
@@ -223,10 +229,8 @@ def triton_fused(
     out: torch.Tensor | None = None,
     h_bias_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``reference`` in one Triton kernel (CUDA tensors), written straight into ``out`` when it is contiguous."""
-    if out is not None and not out.is_contiguous():
-        return out.copy_(triton_fused(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, h_bias_C=h_bias_C))
-    out = torch.empty_like(h_BTHWC) if out is None else out
+    """``reference`` in one Triton kernel (CUDA tensors), into ``out`` when given."""
+    out = torch.empty_like(h_BTHWC, memory_format=torch.contiguous_format) if out is None else out
     return _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C)
 
 
@@ -319,20 +323,4 @@ def e4m3_reference(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_s
 
 def triton_e4m3(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, out_scale, padding_hw, h_bias_C=None):
     """``norm_modulate_silu_e4m3`` in one Triton kernel (``triton_fused``'s, writing e4m3 over the padded grid)."""
-    if not out.is_contiguous():
-        return out.copy_(
-            triton_e4m3(
-                h_BTHWC,
-                scale,
-                gamma_C,
-                y_BTHWC,
-                b_BTHWC,
-                rh,
-                rw,
-                torch.empty_like(out),
-                out_scale,
-                padding_hw,
-                h_bias_C,
-            )
-        )
     return _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, out_scale, padding_hw)

@@ -75,6 +75,20 @@ def skip_without_required_modules(cls) -> None:
         pytest.skip(f"{cls.__name__} needs {', '.join(missing)} ({'; '.join(missing.values())}): {why}")
 
 
+def hopper_codegen(*args: str) -> Any:
+    """The JSON line ``python tests/hopper_codegen.py *args`` prints (sm_90 code compiled ahead of
+    time), run in a process of its own without ``TRITON_INTERPRET``: where it is set, Triton's own
+    library functions are interpreted and cannot be compiled. Asserts that the script succeeded."""
+    import json
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = [sys.executable, "-P", str(repo / "tests" / "hopper_codegen.py"), *args]
+    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def make_context(
     output_dir: str | Path = ".",
     *,

@@ -15,15 +15,11 @@ without a GPU, and its space-to-depth candidate's coarse kernel computes the fin
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.harness import hopper_codegen
 from tilecast.kernels.narrow_conv import (
     Tiling,
     default_tiling,
@@ -37,7 +33,6 @@ from tilecast.kernels.narrow_conv import (
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _inputs(in_channels, out_channels, shape, dtype=torch.float32, seed=0):
@@ -153,13 +148,8 @@ def test_kernel_compiles_for_hopper_as_a_pipelined_wgmma_loop():
     the input loads as asynchronous copies the pipeliner runs ahead of the products, and products
     left in flight while the next step's loads go out (what makes the kernels worth measuring; in
     SASS: 16-byte cp.async loads and HGMMA, 1 group in flight for the plain kernel, 3 for reuse). Compiled ahead of time for sm_90 (Triton ships ptxas: no GPU
-    needed), in a process of its own: where ``TRITON_INTERPRET`` is set, Triton's own library
-    functions are interpreted and cannot be compiled."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = [sys.executable, "-P", str(REPO / "tests" / "hopper_codegen.py")]
-    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    needed), in a process of its own (``harness.hopper_codegen``)."""
+    ops = hopper_codegen()
     assert len(ops) == 4, ops  # 256 and 16 channels, the default and a reuse tiling each
     for counts in ops.values():
         assert counts["warp_group_dot"] > 0 and counts["async_copy_global_to_local"] > 0, ops

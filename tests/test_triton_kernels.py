@@ -26,6 +26,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.harness import hopper_codegen
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -188,20 +190,8 @@ def test_memory_bound_kernels_compile_without_per_pixel_division():
     kernel) and the interleave and repeat took 22-25 instructions per value, the norm 53-57 before
     its calls' own; with the divisions gone and before the norm's bf16 operations ran packed, the
     e4m3 norm took 49.5 at 2048 channels (``python tests/hopper_codegen.py rows`` prints the
-    counts). In a process of its own, without ``TRITON_INTERPRET`` (``tests/test_narrow_conv.py``
-    says why)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = [sys.executable, "-P", str(repo / "tests" / "hopper_codegen.py"), "rows"]
-    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts). In a process of its own, without ``TRITON_INTERPRET`` (``harness.hopper_codegen``)."""
+    counts = hopper_codegen("rows")
     budget = {"norm": 40, "norm_e4m3": 45, "interleave": 10, "repeat": 6, "add_bias": 8}
     assert len(counts) == 3 * len(budget), counts  # 16, 256 and 2048 channels
     for key, count in counts.items():
