@@ -202,6 +202,27 @@ def _plans(log_dir: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(log_dir.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
 
 
+def _plans_of_every_rank(log_dir: Path, num_ranks: int, timeout: float = 30.0) -> list[dict]:
+    """``_plans`` once each of ``num_ranks`` ranks has recorded every plan its group ran. Every rank
+    writes its record after its group agrees on the outcome, and the leader answers the client right
+    after its own, so another rank of the group may still be writing when the results arrive (and a
+    server stopped then kills it before it has: a rank exits at once on SIGTERM)."""
+
+    def settled() -> list[dict] | None:
+        try:
+            records = _plans(log_dir)
+        except json.JSONDecodeError:  # a line being written
+            return None
+        seqs: dict[int, dict[int, set]] = {}
+        for record in records:
+            seqs.setdefault(record["group"], {}).setdefault(record["rank"], set()).add(record["seq"])
+        if sum(len(ranks) for ranks in seqs.values()) < num_ranks:
+            return None
+        return records if all(len({frozenset(s) for s in ranks.values()}) == 1 for ranks in seqs.values()) else None
+
+    return wait_until(settled, timeout, f"plan records of all {num_ranks} ranks")
+
+
 def _flux_server(tiny_cache, tmp_path, plans: Path, *, num_gpus: int, ready_timeout: float, **layout) -> ServerProcess:
     """tiny/flux on ``num_gpus`` CPU ranks of one thread each, laid out by ``layout``
     (``dp_degree=2``, ...), each rank recording its plans in ``plans``."""
@@ -339,10 +360,10 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
     request = dict(video_path=str(video), sr_resolution_scale=2, num_inference_steps=2, seed=3, return_frames=True)
     try:
         first, second = _generate_at_once(server, [request, request], timeout=240.0)
+        records = _plans_of_every_rank(plans, 4)
     finally:
         server.stop()
     assert not server.leftovers()
-    records = _plans(plans)
     ran = {r["group"]: {tuple(r["job_ids"])} for r in records}
     assert set(ran) == {0, 1} and ran[0] != ran[1], records
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}
@@ -371,9 +392,9 @@ def test_dp2_by_ulysses2_flux_matches_one_rank(tiny_cache, tmp_path):
     server = _flux_server(tiny_cache, tmp_path, plans, num_gpus=4, dp_degree=2, ulysses_degree=2, ready_timeout=200.0)
     try:
         results = _generate_at_once(server, requests, timeout=200.0)
+        records = _plans_of_every_rank(plans, 4)
     finally:
         server.stop()
     assert not server.leftovers()
-    records = _plans(plans)
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}, records
     _assert_flux_matches_one_rank(requests, results, tmp_path / "one")
