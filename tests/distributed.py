@@ -117,17 +117,21 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120,
-    start_method: str = "forkserver",
+    start_method: str | None = None,
     preload: tuple[str, ...] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order.
 
-    ``start_method="forkserver"`` (default) forks ranks from a clean server process that has
-    imported ``DEFAULT_PRELOAD + preload`` once (it never ran torch kernels, so fork is safe with
-    OpenMP); ``"spawn"`` starts fresh interpreters (slower, fully isolated).
+    ``start_method="forkserver"`` (the default without a GPU) forks ranks from a clean server
+    process that has imported ``DEFAULT_PRELOAD + preload`` once (it never ran torch kernels, so
+    fork is safe with OpenMP); ``"spawn"`` starts fresh interpreters (slower, fully isolated; the
+    default where a GPU is visible: there ``torch.compile`` in a rank asks for the CUDA RNG state,
+    which a forked process refuses once CUDA was initialized before the fork, as seen on an H100).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if start_method is None:
+        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     ctx = _context(start_method, preload)
     results = ctx.Queue()
     # The parent hosts the rendezvous store: bound to port 0 and held until every rank is done.

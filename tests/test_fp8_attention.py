@@ -233,3 +233,51 @@ def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, lo
     merged = merge_partials(*merged, *run_kernels(q, k[:, half:], v[:, half:], scale=scale))
     assert _rel(merged[0], ref_out) <= INTERPRETER_REL_TOL
     assert (merged[1] - ref_lse).abs().max().item() <= LSE_TOL[logit_std]
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN's FP8 attention as a bench peer (``bench attention --backend cudnn_fp8``)
+
+
+def test_cudnn_fp8_peer_without_its_package_is_refused_naming_it(monkeypatch):
+    """Refused before any GPU is needed, naming the optional package (CI has no cuDNN frontend)."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from tilecast.launcher.cli import app
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # ``import cudnn`` raises ImportError
+    result = CliRunner().invoke(app, ["bench", "attention", "--backend", "cudnn_fp8"])
+    assert result.exit_code != 0
+    assert "nvidia-cudnn-frontend" in " ".join(result.output.replace("│", " ").split()), result.output
+
+
+CUDNN_FP8_REL_TOL = 0.08
+"""Measured on an H100: 5.9-6.0% (the e4m3 output's rounding adds to the inputs' and P's)."""
+
+
+def _cudnn_fp8_ready() -> bool:
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (9, 0)
+        and importlib.util.find_spec("cudnn") is not None
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cudnn_fp8_ready(), reason="needs a Hopper GPU and nvidia-cudnn-frontend")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cudnn_fp8_peer_is_attention_with_its_lse(head_dim):
+    """The peer is attention (per-tensor e4m3, e4m3 output): within ``CUDNN_FP8_REL_TOL`` of float32
+    at logits of std 1 (41-43 dB PSNR against cuDNN bf16 at 47,616 tokens on an H100), and its
+    log-sum-exp in natural log like every backend's."""
+    from tilecast.launcher.bench.attention import CUDNN_FP8, runner
+
+    q, k, v = _qkv(2, 1024, 1024, 4, head_dim, seed=3)
+    out, lse = runner(CUDNN_FP8)(q, k, v)
+    ref_out, ref_lse = _reference(q, k, v, 1 / math.sqrt(head_dim))
+    rel, lse_err = _rel(out, ref_out), (lse - ref_lse).abs().max().item()
+    print(f"cudnn fp8 head dim {head_dim}: rel {rel:.4f}, lse {lse_err:.4f}")
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (2, 4, 1024)
+    assert rel <= CUDNN_FP8_REL_TOL and lse_err <= LSE_TOL[1.0]
