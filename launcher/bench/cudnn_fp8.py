@@ -39,13 +39,15 @@ def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dequantize(t8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t8 * descale`` in ``dtype``."""
     return (t8.float() * descale.reshape(())).to(dtype)
 
 
 @functools.cache
 def _compiled():
     """``_quantize`` and ``_dequantize`` compiled: each one reduction and one fused cast, as the
-    ``fp8`` backend's Triton quantization is (eager PyTorch took 2.3 ms more per call at 47,616 tokens)."""
+    ``fp8`` backend's Triton quantization is (in eager PyTorch a call took 1.4 ms longer: an H100,
+    head dim 64, 47,616 tokens)."""
     return torch.compile(_quantize, dynamic=False), torch.compile(_dequantize, dynamic=False)
 
 
@@ -58,12 +60,12 @@ class CudnnFp8Attention:
         self._graphs: dict[tuple, tuple] = {}
 
     def _graph(self, shape: tuple[int, int, int, int], device: torch.device):
+        if shape in self._graphs:
+            return self._graphs[shape]
         cudnn = self.cudnn
         if self._handle is None:
             self._handle = cudnn.create_handle()
         batch, seq, heads, dim = shape
-        if shape in self._graphs:
-            return self._graphs[shape]
         e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         graph = cudnn.pygraph(
             io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32, handle=self._handle
