@@ -16,6 +16,9 @@ Names:
   ``fa``              flash-attn (optional dependency, ``pip install "tilecast[flash]"``).
   ``fp8``             per-block scaled FP8 on tensor cores (Triton, ``kernels/fp8_attention.py``):
                       opt-in only, ``auto`` never picks it (the output moves by about a percent).
+  ``fp8_cudnn``       cuDNN's FP8 attention, per-tensor scales (``kernels/fp8_cudnn_attention.py``;
+                      optional ``nvidia-cudnn-frontend``): opt-in only, the faster FP8 kernel at
+                      head dim 128.
 ``nabla`` (Kandinsky 6 SR's block-sparse attention, ``kernels/nabla.py``) is a name the capability
 table knows but not a registered kernel: it needs the model's mask, so only K6 SR's processor runs
 it, and ``resolve_backend("nabla")`` says so.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import capabilities as caps
-from . import fp8_attention
+from . import fp8_attention, fp8_cudnn_attention
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +284,12 @@ for _registered in (
     _aten_backend("sdpa_efficient", _sdpa_efficient, "_scaled_dot_product_efficient_attention", _CUDA_FLOATS),
     _backend("fa", _fa, dtypes=_HALF, check=_fa_check),
     _backend("fp8", fp8_attention.fp8_attention, dtypes=_HALF, check=fp8_attention.unavailable_reason),
+    _backend(
+        "fp8_cudnn",
+        fp8_cudnn_attention.fp8_cudnn_attention,
+        dtypes=_HALF,
+        check=fp8_cudnn_attention.unavailable_reason,
+    ),
 ):
     register_backend(_registered)
 

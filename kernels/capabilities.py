@@ -60,6 +60,7 @@ _TRAITS: dict[str, BackendTraits] = {
         BackendTraits(name="sdpa_efficient", devices=_CUDA),
         BackendTraits(name="fa", devices=_CUDA),
         BackendTraits(name="fp8", devices=_CUDA),
+        BackendTraits(name="fp8_cudnn", devices=_CUDA),
         BackendTraits(name="nabla", devices=_CPU_CUDA, model="Kandinsky 6 SR", ring_refusal=NABLA_RING_REFUSAL),
     )
 }

@@ -159,6 +159,11 @@ def test_fp8_strided_inputs_equal_the_contiguous_call():
 @needs_fp8
 @pytest.mark.parametrize("compile_blocks", [False, True])
 def test_flux_accepts_fp8_attention(compile_blocks):
+    _flux_accepts("fp8", compile_blocks)
+
+
+def _flux_accepts(backend: str, compile_blocks: bool) -> None:
+    """One tiny FLUX step with ``backend`` against the bf16 default: different, within ``MODEL_MIN_PSNR_DB``."""
     from tilecast.launcher.bench.report import psnr_db
     from tilecast.launcher.bench.step import step_inputs
     from tilecast.runtime.config import ServeConfig
@@ -173,8 +178,8 @@ def test_flux_accepts_fp8_attention(compile_blocks):
             )
             return pipe.transformer(**inputs)[0].float().cpu()
 
-    bf16, fp8 = step(None), step("fp8")
-    print(f"tiny FLUX step, fp8 attention vs bf16 (compile={compile_blocks}): {psnr_db(fp8, bf16):.2f} dB")
+    bf16, fp8 = step(None), step(backend)
+    print(f"tiny FLUX step, {backend} attention vs bf16 (compile={compile_blocks}): {psnr_db(fp8, bf16):.2f} dB")
     assert not torch.equal(fp8, bf16)
     assert psnr_db(fp8, bf16) >= MODEL_MIN_PSNR_DB
 
@@ -236,48 +241,73 @@ def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, lo
 
 
 # ---------------------------------------------------------------------------------------------
-# cuDNN's FP8 attention as a bench peer (``bench attention --backend cudnn_fp8``)
+# ``fp8_cudnn``: cuDNN's FP8 attention (``kernels/fp8_cudnn_attention.py``)
+
+CUDNN_REL_TOL = 0.08
+"""Measured on an H100: 5.9-6.0% at logits of std 1 (per-tensor scales, and the e4m3 output's rounding)."""
 
 
-def test_cudnn_fp8_peer_without_its_package_is_refused_naming_it(monkeypatch):
-    """Refused before any GPU is needed, naming the optional package (CI has no cuDNN frontend)."""
+def test_fp8_cudnn_is_a_ring_capable_name_that_auto_never_picks():
+    assert "fp8_cudnn" in caps.backend_names()
+    assert caps.traits("fp8_cudnn").supports_ring and caps.ring_problem("fp8_cudnn") is None
+    for device_type in ("cuda", "cpu", None):
+        assert "fp8_cudnn" not in caps.candidates("auto", device_type)
+
+
+def test_fp8_cudnn_without_its_package_is_refused_naming_it(monkeypatch):
     import sys
 
-    from typer.testing import CliRunner
-
-    from tilecast.launcher.cli import app
-
     monkeypatch.setitem(sys.modules, "cudnn", None)  # ``import cudnn`` raises ImportError
-    result = CliRunner().invoke(app, ["bench", "attention", "--backend", "cudnn_fp8"])
-    assert result.exit_code != 0
-    assert "nvidia-cudnn-frontend" in " ".join(result.output.replace("│", " ").split()), result.output
+    with pytest.raises(BackendUnavailableError, match="'fp8_cudnn' needs the nvidia-cudnn-frontend package"):
+        resolve_backend("fp8_cudnn", "cuda", torch.bfloat16)
 
 
-CUDNN_FP8_REL_TOL = 0.08
-"""Measured on an H100: 5.9-6.0% (the e4m3 output's rounding adds to the inputs' and P's)."""
+def _fp8_cudnn_ready() -> bool:
+    from tilecast.kernels.fp8_cudnn_attention import unavailable_reason
+
+    return torch.cuda.is_available() and unavailable_reason() is None
 
 
-def _cudnn_fp8_ready() -> bool:
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= (9, 0)
-        and importlib.util.find_spec("cudnn") is not None
-    )
+def needs_fp8_cudnn(test):
+    """A ``cuda`` test that runs where cuDNN's FP8 attention does (Hopper, nvidia-cudnn-frontend)."""
+    ready = _fp8_cudnn_ready()
+    return pytest.mark.cuda(pytest.mark.skipif(not ready, reason="needs a Hopper GPU and nvidia-cudnn-frontend")(test))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not _cudnn_fp8_ready(), reason="needs a Hopper GPU and nvidia-cudnn-frontend")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_cudnn_fp8_peer_is_attention_with_its_lse(head_dim):
-    """The peer is attention (per-tensor e4m3, e4m3 output): within ``CUDNN_FP8_REL_TOL`` of float32
-    at logits of std 1 (41-43 dB PSNR against cuDNN bf16 at 47,616 tokens on an H100), and its
-    log-sum-exp in natural log like every backend's."""
-    from tilecast.launcher.bench.attention import CUDNN_FP8, runner
+@needs_fp8_cudnn
+@pytest.mark.parametrize("batch,num_q,num_k,heads,head_dim", [(2, 1024, 1024, 4, 128), (1, 1000, 1337, 3, 64)])
+def test_fp8_cudnn_within_its_tolerance(batch, num_q, num_k, heads, head_dim):
+    from tilecast.kernels.fp8_cudnn_attention import fp8_cudnn_attention
 
-    q, k, v = _qkv(2, 1024, 1024, 4, head_dim, seed=3)
-    out, lse = runner(CUDNN_FP8)(q, k, v)
-    ref_out, ref_lse = _reference(q, k, v, 1 / math.sqrt(head_dim))
+    q, k, v = _qkv(batch, num_q, num_k, heads, head_dim, seed=3)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = fp8_cudnn_attention(q, k, v, scale=scale)
+    ref_out, ref_lse = _reference(q, k, v, scale)
     rel, lse_err = _rel(out, ref_out), (lse - ref_lse).abs().max().item()
-    print(f"cudnn fp8 head dim {head_dim}: rel {rel:.4f}, lse {lse_err:.4f}")
-    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (2, 4, 1024)
-    assert rel <= CUDNN_FP8_REL_TOL and lse_err <= LSE_TOL[1.0]
+    print(f"fp8_cudnn {batch}x{num_q}x{num_k}x{heads}x{head_dim}: rel {rel:.4f}, lse {lse_err:.4f}")
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (batch, heads, num_q)
+    assert rel <= CUDNN_REL_TOL and lse_err <= LSE_TOL[1.0]
+
+
+@needs_fp8_cudnn
+def test_fp8_cudnn_chunks_merged_by_lse_and_compiled_calls_match():
+    """Ring's merge of two key chunks, and the call inside ``torch.compile`` (one opaque op)."""
+    from tilecast.kernels.fp8_cudnn_attention import fp8_cudnn_attention
+    from tilecast.kernels.ring import merge_partials
+
+    q, k, v = _qkv(1, 700, 1500, 4, 128, seed=1)
+    scale = 128**-0.5
+    out, lse = None, None
+    for chunk in (slice(0, 600), slice(600, 1500)):
+        out, lse = merge_partials(out, lse, *fp8_cudnn_attention(q, k[:, chunk], v[:, chunk], scale=scale))
+    ref_out, ref_lse = _reference(q, k, v, scale)
+    assert _rel(out, ref_out) <= CUDNN_REL_TOL and (lse - ref_lse).abs().max().item() <= LSE_TOL[1.0]
+    eager = fp8_cudnn_attention(q, k, v, scale=scale)
+    compiled = torch.compile(lambda q, k, v: fp8_cudnn_attention(q, k, v, scale=scale), fullgraph=True)(q, k, v)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+@needs_fp8_cudnn
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_flux_accepts_fp8_cudnn_attention(compile_blocks):
+    _flux_accepts("fp8_cudnn", compile_blocks)

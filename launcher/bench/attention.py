@@ -27,18 +27,11 @@ def _inputs(seq_len: int, head_dim: int, dtype=torch.bfloat16) -> tuple[torch.Te
 
 FP8_TILING_PREFIX = "fp8:"
 """A backend name ``fp8:<tiling>`` runs the fp8 kernel with that ``KernelConfig`` (e.g. ``fp8:128x64w4s3``)."""
-CUDNN_FP8 = "cudnn_fp8"
-"""A peer, not a serving backend: cuDNN's own FP8 attention (``bench/cudnn_fp8.py``; needs ``nvidia-cudnn-frontend``)."""
 
 
 def runner(backend: str):
-    """``fn(q, k, v) -> (out, lse)`` for ``backend``, for the fp8 kernel at a tiling (``fp8:<tiling>``,
-    parsed here once: ``ValueError`` naming the form) or for the ``cudnn_fp8`` peer (``ValueError``
-    naming the package it needs)."""
-    if backend == CUDNN_FP8:
-        from tilecast.launcher.bench.cudnn_fp8 import CudnnFp8Attention
-
-        return CudnnFp8Attention()
+    """``fn(q, k, v) -> (out, lse)`` for ``backend``, or for the fp8 kernel at a tiling
+    (``fp8:<tiling>``, parsed here once: ``ValueError`` naming the form)."""
     if backend.startswith(FP8_TILING_PREFIX):
         from tilecast.kernels.fp8_attention import KernelConfig, run_kernels
 

@@ -121,8 +121,7 @@ def attention(
         typer.Option(
             "--backend",
             help="Backends to time (repeatable; default: every available); fp8:128x64w4s3 times the fp8 kernel "
-            "at that tiling (BLOCK_MxBLOCK_NwWARPSsSTAGES); cudnn_fp8 times cuDNN's own FP8 attention as a peer "
-            "(needs nvidia-cudnn-frontend).",
+            "at that tiling (BLOCK_MxBLOCK_NwWARPSsSTAGES).",
         ),
     ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
