@@ -40,6 +40,8 @@ import re
 
 import torch
 
+from .opaque_attention import opaque_attention
+
 LOG2E = 1.4426950408889634
 """Q is pre-multiplied by it (with the softmax scale): the kernel's scores are in log2 units, for ``exp2``."""
 MIN_CUDA_CAPABILITY = (8, 9)
@@ -144,27 +146,6 @@ def _quantize(x_BSHD: torch.Tensor, dp: int, *, multiplier: float = 1.0, transpo
     return out, scales
 
 
-def fp8_attention(
-    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, *, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_BSHD, lse_BHS)`` as every backend, on 8-bit tensor cores (int32 / fp32 accumulation,
-    fp32 softmax). ``out`` has ``q``'s dtype; ``lse`` is float32 in natural-log units."""
-    return torch.ops.tilecast.fp8_attention(q_BSHD, k_BKHD, v_BKHD, scale)
-
-
-@torch.library.custom_op("tilecast::fp8_attention", mutates_args=())
-def _fp8_attention_op(
-    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_kernels(q_BSHD, k_BKHD, v_BKHD, scale=scale)
-
-
-@_fp8_attention_op.register_fake
-def _(q_BSHD, k_BKHD, v_BKHD, scale):
-    batch, num_q, heads, _ = q_BSHD.shape
-    return torch.empty_like(q_BSHD), q_BSHD.new_empty(batch, heads, num_q, dtype=torch.float32)
-
-
 def run_kernels(
     q_BSHD: torch.Tensor,
     k_BKHD: torch.Tensor,
@@ -213,3 +194,8 @@ def run_kernels(
         num_stages=config.num_stages,
     )
     return out, lse
+
+
+fp8_attention = opaque_attention("fp8_attention", run_kernels)
+"""``(out_BSHD, lse_BHS)`` as every backend, on 8-bit tensor cores (int32 / fp32 accumulation, fp32
+softmax), as one custom op; ``out`` has ``q``'s dtype, ``lse`` is float32 in natural-log units."""

@@ -28,6 +28,8 @@ import functools
 
 import torch
 
+from .opaque_attention import opaque_attention
+
 E4M3_MAX = 448.0
 MIN_CUDA_CAPABILITY = (9, 0)
 """cuDNN's FP8 attention forward: Hopper or newer."""
@@ -123,30 +125,11 @@ def _graph(shape_q: tuple[int, ...], num_k: int, scale: float, device_index: int
     return graph, (q, k, v, out, lse, amax_s, amax_o), scales, workspace
 
 
-def fp8_cudnn_attention(
-    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, *, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_BSHD, lse_BHS)`` as every backend; ``out`` in ``q``'s dtype, ``lse`` float32 (natural log)."""
-    return torch.ops.tilecast.fp8_cudnn_attention(q_BSHD, k_BKHD, v_BKHD, scale)
-
-
-@torch.library.custom_op("tilecast::fp8_cudnn_attention", mutates_args=())
-def _fp8_cudnn_attention_op(
-    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return run(q_BSHD, k_BKHD, v_BKHD, scale=scale)
-
-
-@_fp8_cudnn_attention_op.register_fake
-def _(q_BSHD, k_BKHD, v_BKHD, scale):
-    batch, num_q, heads, _ = q_BSHD.shape
-    return torch.empty_like(q_BSHD), q_BSHD.new_empty(batch, heads, num_q, dtype=torch.float32)
-
-
 def run(
     q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, *, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize, run the cuDNN graph, dequantize (see the module doc)."""
+    """``(out_BSHD, lse_BHS)``: quantize, run the cuDNN graph, dequantize (see the module doc); ``out``
+    in ``q``'s dtype, ``lse`` float32 in natural-log units."""
     batch, num_q, heads, dim = q_BSHD.shape
     if k_BKHD.shape != v_BKHD.shape or k_BKHD.shape[::2] != (batch, heads) or k_BKHD.shape[-1] != dim:
         raise ValueError(
@@ -174,3 +157,7 @@ def run(
     pack.update(zip(scales, values))
     graph.execute(pack, workspace, handle=handle)
     return dequantize(out8, descale_v, q_BSHD.dtype), lse_BHS1.squeeze(-1)
+
+
+fp8_cudnn_attention = opaque_attention("fp8_cudnn_attention", run)
+"""``(out_BSHD, lse_BHS)`` as every backend, as one custom op (``run``'s computation)."""
