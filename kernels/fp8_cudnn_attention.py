@@ -1,7 +1,7 @@
 """cuDNN's FP8 attention with the log-sum-exp (``--attention-backend fp8_cudnn``; opt-in).
 
-Where it pays: head dim 128 (FLUX, Qwen-Image, Wan), where an H100 ran it at 1.47x cuDNN's bf16
-attention (47,616 tokens; 1.25x at 13,824) and tilecast's Triton ``fp8`` at 0.89x; at head dim 64
+Where it pays: head dim 128 (FLUX, Qwen-Image, Wan), where an H100 ran it at 1.44-1.47x cuDNN's
+bf16 attention (47,616 tokens; 1.25x at 13,824) and tilecast's Triton ``fp8`` at 0.89x; at head dim 64
 (Kandinsky 6 SR) both FP8 kernels are about 1.1x and ``fp8`` is 4 dB closer to bf16 (README,
 Performance). ``auto`` never picks it. Needs the optional ``nvidia-cudnn-frontend`` package (the
 cuDNN graph API in Python; the cuDNN library is PyTorch's own) and a Hopper or newer GPU.
@@ -17,7 +17,7 @@ ones: about 6% of the output (relative, Frobenius) on random inputs against 4%
 (``tests/test_fp8_attention.py``).
 
 Under ``torch.compile`` the call is one opaque custom op (``tilecast::fp8_cudnn_attention``). One
-cuDNN graph is built per shape, dtype and scale, on first use.
+cuDNN graph is built per query shape, key count, scale and device, on first use (32 are kept).
 
 Shapes: ``q_BSHD`` / ``k_BKHD`` / ``v_BKHD`` as every backend (``kernels/backends.py``).
 """
