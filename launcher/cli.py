@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tilecast.launcher import options as O
 from tilecast.launcher.preflight import validate_topology
@@ -53,7 +54,7 @@ def _root(
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {escape(message)}")  # a message's own brackets are text, not markup
     raise typer.Exit(code)
 
 

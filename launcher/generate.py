@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tilecast.runtime.config import ServeConfig
@@ -35,7 +36,7 @@ def generate(config: ServeConfig, fields: dict) -> int:
     result = generate_rank(config, fields, on_progress=on_progress, display=progress)
     if result.rank == 0:
         for path in result.saved:
-            console.print(f"[green]saved[/green] {path}")
+            console.print(f"[green]saved[/green] {escape(str(path))}")
         if result.error:
-            console.print(f"[red]error:[/red] {result.error}")
+            console.print(f"[red]error:[/red] {escape(str(result.error))}")
     return result.exit_code

@@ -262,6 +262,22 @@ def test_fp8_cudnn_without_its_package_is_refused_naming_it(monkeypatch):
         resolve_backend("fp8_cudnn", "cuda", torch.bfloat16)
 
 
+def test_generate_names_the_extra_to_install_with_its_brackets(monkeypatch):
+    """The command line prints the install hint as written: ``tilecast[fp8-cudnn]`` is text, not
+    markup for the terminal (rich had printed ``pip install 'tilecast'``)."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from tilecast.launcher.cli import app
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    args = ["generate", "--attention-backend", "fp8_cudnn", "--model-path", "tiny/flux", "--prompt", "x"]
+    result = CliRunner().invoke(app, [*args, "--device", "cpu"])
+    assert result.exit_code != 0
+    assert "pip install 'tilecast[fp8-cudnn]'" in " ".join(result.output.split()), result.output
+
+
 def _fp8_cudnn_ready() -> bool:
     from tilecast.kernels.fp8_cudnn_attention import unavailable_reason
 
