@@ -88,6 +88,8 @@ def test_table_and_json(capsys, tmp_path):
     report.print_table(rows, ["side", "e2e_s", "ratio"], "a title")
     printed = capsys.readouterr().out
     assert "a title" in printed and "diffusers" in printed and "0.500" in printed and "2.000" in printed
+    report.print_table([{"side": "fa", "error": "install tilecast[flash]"}], ["side", "error"], "errors")
+    assert "tilecast[flash]" in capsys.readouterr().out  # a cell is text, not rich markup
     with pytest.raises(ValueError, match="2 headers for 3 columns"):
         report.print_table(rows, ["side", "e2e_s", "ratio"], "t", headers=["a", "b"])
     report.save_json(rows, None)

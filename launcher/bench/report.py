@@ -201,9 +201,11 @@ def print_table(
     rows: Sequence[dict], columns: Sequence[str], title: str, *, headers: Sequence[str] | None = None
 ) -> None:
     """Print ``rows`` as one table of ``columns`` (``headers`` names them, default the keys): the
-    first column left-aligned and never wrapped, the others right-aligned; a missing cell is empty."""
+    first column left-aligned and never wrapped, the others right-aligned; a missing cell is empty.
+    Cells are plain text: an error's brackets (``tilecast[flash]``) are printed, not read as markup."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     headers = list(headers or columns)
     if len(headers) != len(columns):
@@ -212,7 +214,7 @@ def print_table(
     for i, header in enumerate(headers):
         table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
-        table.add_row(*(fmt(row.get(column)) for column in columns))
+        table.add_row(*(Text(fmt(row.get(column))) for column in columns))
     console = Console()
     Console(width=max(TABLE_WIDTH, console.width)).print(table)
 
