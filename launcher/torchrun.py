@@ -14,6 +14,11 @@ alive afterwards (found through the pid files ranks write into ``TILECAST_RUN_DI
   launcher is already gone; each rank in turn dies with the torchrun agent
   (``runtime/distributed.die_with_parent``, told the launcher's pid by ``TILECAST_LAUNCHER_PID``).
   A ``kill -9`` of the launcher so takes everything under it down within seconds.
+- **Inherited signal masks**: a blocked signal stays blocked through ``fork`` and ``exec``, so a
+  parent that started ``tilecast serve`` with SIGTERM blocked (a Python program inside a
+  ``SignalWatcher``-style thread, some supervisors) made the launcher deaf to SIGTERM and torchrun
+  deaf to its parent-death signal: it outlived the launcher with every rank. The launcher and the
+  torchrun wrapper unblock SIGINT/SIGTERM before relying on them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _DIE_WITH_LAUNCHER = (
     "import ctypes, os, signal, sys\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # kept through exec\n"
     "launcher = int(sys.argv[1])\n"
     "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != launcher:  # the launcher died before prctl took effect\n"
@@ -40,6 +46,10 @@ _DIE_WITH_LAUNCHER = (
 )
 """Run as ``python -c _DIE_WITH_LAUNCHER <launcher pid> <argv...>``: exec ``python <argv...>`` with a
 parent-death signal set (no ``preexec_fn``: the launcher already has threads, numpy's BLAS pool)."""
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+"""The signals that stop a launcher and the torchrun under it."""
 
 
 STANDALONE = ("--standalone", "--nnodes", "1")
@@ -130,7 +140,8 @@ def launch(nproc: int, args: list[str], *, grace_s: float = 30.0) -> int:
             except ProcessLookupError:
                 pass
 
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # the parent may have blocked them
         try:
             while True:
                 try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 
 import pytest
 import torch
@@ -29,3 +30,15 @@ def tiny_cache(tmp_path_factory):
         os.environ.pop("TILECAST_CACHE", None)
     else:
         os.environ["TILECAST_CACHE"] = previous
+
+
+@pytest.fixture(autouse=True)
+def signal_mask_unchanged():
+    """Fail a test that leaves this process's signal mask changed, and restore it: a blocked signal is
+    inherited by every process started later (``fork`` and ``exec`` keep it), so a test that ran
+    ``SignalWatcher.install`` in the pytest process made every later server on that worker ignore
+    SIGTERM (stopped only by a kill 30 s later, its torchrun left behind)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    after = signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    assert after == before, f"the test left the signal mask changed: {sorted(s.name for s in after ^ before)}"

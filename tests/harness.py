@@ -261,9 +261,13 @@ def rank_pid(marker: str, rank: int) -> int | None:
 
 
 class ServerProcess:
-    """``tilecast serve`` in a subprocess; ``stop()`` leaves no process behind."""
+    """``tilecast serve`` in a subprocess; ``stop()`` leaves no process behind, and notes in
+    ``left_behind`` what it had to kill after the launcher exited."""
 
     def __init__(self, *args: str, http: bool = False, env: dict | None = None, ready_timeout: float = 120.0):
+        self.left_behind: list[int] = []
+        """Pids ``stop()`` found alive 5 s after the launcher exited (and killed): a test of clean
+        shutdown asserts this is empty."""
         self.workdir = tempfile.mkdtemp(prefix="tilecast-serve-")
         self.ready_file = os.path.join(self.workdir, "ready.json")
         self.marker = self.ready_file
@@ -307,7 +311,9 @@ class ServerProcess:
         if not terminate(self.proc, timeout):
             self.proc.kill()
             self.proc.wait(timeout=5)
-        for pid in self.leftovers_after(5, poll_s=0.1):
+        left = self.leftovers_after(5, poll_s=0.1)
+        self.left_behind += left
+        for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -220,7 +220,7 @@ def test_family_row_on_a_two_rank_torchrun_server(model, extra, mime, tiny_cache
         assert result.job.state == "completed" and result.files[0].mime == mime
     diff = (merged[0].tensor(cls.output_kind) - alone.tensor(cls.output_kind)).abs().max().item()
     assert diff <= BATCH_TOL, f"{model}: merged differs from alone by {diff:.3g}"
-    assert not server.leftovers()
+    assert not server.left_behind
 
 
 @pytest.mark.slow
@@ -249,7 +249,7 @@ def test_two_rank_torchrun_server_merges_and_matches_singletons(tiny_cache, tmp_
         server.stop()
     sizes = [int(m.group(1)) for m in DISPATCH.finditer(server.log())]
     assert sizes and max(sizes) > 1, server.log()[-3000:]
-    assert not server.leftovers()
+    assert not server.left_behind
 
 
 @pytest.mark.slow

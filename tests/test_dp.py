@@ -271,7 +271,7 @@ def test_two_replica_groups_serve_disjoint_requests_concurrently_and_match_one_r
             groups = client.stats()["groups"]
     finally:
         server.stop()
-    assert not server.leftovers()
+    assert not server.left_behind
     assert all(r.job.state == "completed" for r in results)
     records = _plans(plans)
     by_group = {g: [r for r in records if r["group"] == g] for g in (0, 1)}
@@ -317,7 +317,7 @@ def test_progress_and_cancel_in_each_group(tmp_path):
     records = _plans(plans)
     assert sorted(r["outcome"] for r in records) == ["cancelled", "cancelled", "ok", "ok"], records
     assert {r["group"] for r in records if r["outcome"] == "cancelled"} == {0, 1}
-    assert not server.leftovers()
+    assert not server.left_behind
 
 
 @pytest.mark.timeout(150)
@@ -363,7 +363,7 @@ def test_dp2_by_ulysses2_k6sr_groups_run_their_own_plans(tmp_path):
         records = _plans_of_every_rank(plans, 4)
     finally:
         server.stop()
-    assert not server.leftovers()
+    assert not server.left_behind
     ran = {r["group"]: {tuple(r["job_ids"])} for r in records}
     assert set(ran) == {0, 1} and ran[0] != ran[1], records
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}
@@ -395,6 +395,6 @@ def test_dp2_by_ulysses2_flux_matches_one_rank(tiny_cache, tmp_path):
         records = _plans_of_every_rank(plans, 4)
     finally:
         server.stop()
-    assert not server.leftovers()
+    assert not server.left_behind
     assert {(r["rank"], r["group"]) for r in records} == {(0, 0), (1, 0), (2, 1), (3, 1)}, records
     _assert_flux_matches_one_rank(requests, results, tmp_path / "one")

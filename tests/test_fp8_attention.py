@@ -262,20 +262,27 @@ def test_fp8_cudnn_without_its_package_is_refused_naming_it(monkeypatch):
         resolve_backend("fp8_cudnn", "cuda", torch.bfloat16)
 
 
-def test_generate_names_the_extra_to_install_with_its_brackets(monkeypatch):
+def test_generate_names_the_extra_to_install_with_its_brackets(tmp_path):
     """The command line prints the install hint as written: ``tilecast[fp8-cudnn]`` is text, not
-    markup for the terminal (rich had printed ``pip install 'tilecast'``)."""
+    markup for the terminal (rich had printed ``pip install 'tilecast'``). A real ``tilecast
+    generate`` process (in this one it would install its signal handling), with a stand-in
+    ``cudnn`` module that fails to import as a missing package does."""
+    import os
+    import subprocess
     import sys
 
-    from typer.testing import CliRunner
-
-    from tilecast.launcher.cli import app
-
-    monkeypatch.setitem(sys.modules, "cudnn", None)
+    (tmp_path / "cudnn.py").write_text("raise ImportError('stand-in: nvidia-cudnn-frontend is not installed')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     args = ["generate", "--attention-backend", "fp8_cudnn", "--model-path", "tiny/flux", "--prompt", "x"]
-    result = CliRunner().invoke(app, [*args, "--device", "cpu"])
-    assert result.exit_code != 0
-    assert "pip install 'tilecast[fp8-cudnn]'" in " ".join(result.output.split()), result.output
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "tilecast", *args, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env={**env, "COLUMNS": "200"},
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "pip install 'tilecast[fp8-cudnn]'" in " ".join(done.stderr.split()), done.stderr
 
 
 def _fp8_cudnn_ready() -> bool:

@@ -71,7 +71,7 @@ def server(media, tmp_path_factory):
         yield proc
     finally:
         proc.stop()
-        assert not proc.leftovers()
+        assert not proc.left_behind
 
 
 @pytest.fixture

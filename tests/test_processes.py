@@ -5,6 +5,7 @@ SIGINT, and ``ServerDeadError`` (not a timeout) for a client waiting when rank 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -79,7 +80,7 @@ def test_port_0_binds_os_picked_ports_reported_in_the_ready_file_and_line(tmp_pa
         server.stop()
     assert server.proc.returncode == 0, server.log()
     assert not Path(server.ready_file).exists(), "the ready file outlived the server"
-    assert not server.leftovers()
+    assert not server.left_behind
 
 
 # -- item 7: no orphans -------------------------------------------------------------------------
@@ -90,6 +91,41 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path):
     server = _serve(tmp_path, 2)
     try:
         assert len(server.leftovers()) == 4, "launcher, torchrun and two ranks"
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        left = server.leftovers_after(10)
+        assert not left, f"still alive 10 s after kill -9 of the launcher: {left}"
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Block SIGINT/SIGTERM in this thread while the block runs: a process started inside inherits
+    the mask through ``fork`` and ``exec``, as under a parent that blocked them."""
+    stop = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_started_with_the_stop_signals_blocked_still_stops_on_sigterm(tmp_path):
+    """A blocked signal is inherited: started so, the launcher ignored SIGTERM and torchrun its
+    parent-death signal, and torchrun with both ranks outlived a ``kill -9`` of the launcher."""
+    with _stop_signals_blocked():
+        server = _serve(tmp_path / "term", 2)
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=20) == 0, server.log()
+        assert not server.leftovers_after(10), "processes outlived the launcher"
+    finally:
+        server.stop()
+    with _stop_signals_blocked():
+        server = _serve(tmp_path / "kill", 2)
+    try:
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=10)
         left = server.leftovers_after(10)

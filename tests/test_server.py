@@ -36,7 +36,7 @@ def torchrun_server(tmp_path_factory, probe_log_dir):
         yield server
     finally:
         server.stop()
-        assert not server.leftovers()
+        assert not server.left_behind
 
 
 @pytest.fixture(params=["inproc", "torchrun"])
