@@ -29,6 +29,7 @@ from tilecast.runtime.pipeline import Pipeline
 logger = logging.getLogger(__name__)
 
 PIPELINES: tuple[str, ...] = (
+    "tilecast.runtime.probe:AllReducePipeline",
     "tilecast.runtime.models.k6sr.pipeline:K6SRPipeline",
     "tilecast.runtime.models.families.flux:FluxT2IPipeline",
     "tilecast.runtime.models.families.released:RandomFluxT2IPipeline",
@@ -56,11 +57,12 @@ PIPELINES: tuple[str, ...] = (
     "tilecast.runtime.models.families.wan22:Wan22TI2VPipeline",
     "tilecast.runtime.models.families.wan_i2v:WanI2VPipeline",
     "tilecast.runtime.models.families.wan22:Wan22I2VPipeline",
-    "tilecast.runtime.probe:AllReducePipeline",
 )
 """``"module:Class"`` of every served pipeline. Where several declare the same diffusers class (FLUX's
 tiny and released-size built-ins, a family and its variants), the first listed serves that class's
-directories unless a variant's hint names the model (module docstring)."""
+directories unless a variant's hint names the model (module docstring). The probe comes first: a
+built-in name is looked up in this order, importing no module past its own (``builtin_pipeline``),
+so a probe server's launcher and ranks import no model code."""
 
 
 def _load(target: str) -> type[Pipeline]:
@@ -72,6 +74,15 @@ def _load(target: str) -> type[Pipeline]:
 def pipelines() -> tuple[type[Pipeline], ...]:
     """The classes ``PIPELINES`` names (imported on first use)."""
     return tuple(_load(target) for target in PIPELINES)
+
+
+def builtin_pipeline(name: str) -> type[Pipeline] | None:
+    """The pipeline of the built-in ``--model-path`` ``name`` (None: not one), importing the modules
+    ``PIPELINES`` lists only up to its own."""
+    for target in PIPELINES:
+        if (cls := _load(target)).builtin_name == name:
+            return cls
+    return None
 
 
 def builtin_models() -> dict[str, type[Pipeline]]:
@@ -109,9 +120,8 @@ def _another_pipeline(class_name: str) -> bool:
 
 def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipeline]:
     """Return the pipeline class for ``model_path``; ``ValueError`` naming the problem otherwise."""
-    builtins = builtin_models()
-    if model_path in builtins:
-        return builtins[model_path]
+    if (builtin := builtin_pipeline(model_path)) is not None:
+        return builtin
     if model_id:
         if (cls := by_hint((model_id,))) is not None:
             return cls
@@ -120,7 +130,7 @@ def resolve_pipeline(model_path: str, model_id: str | None = None) -> type[Pipel
     path = local_dir(model_path)  # a Hub id: its snapshot in the Hugging Face cache
     if not path.exists():
         raise ValueError(
-            f"--model-path {model_path!r} is neither a built-in model ({', '.join(sorted(builtins))}), "
+            f"--model-path {model_path!r} is neither a built-in model ({', '.join(sorted(builtin_models()))}), "
             "an existing directory nor a Hugging Face Hub id (owner/name)"
         )
     index = path / "model_index.json"
@@ -148,5 +158,5 @@ def ensure_builtin_checkpoint(model_path: str) -> Path | None:
 
     The launcher calls this before it starts the ranks, so they find a finished, verified
     checkpoint instead of building it concurrently (``runtime/cache.py``)."""
-    cls = builtin_models().get(model_path)
+    cls = builtin_pipeline(model_path)
     return None if cls is None else cls.ensure_builtin()

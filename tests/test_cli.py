@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -135,3 +137,17 @@ def test_a_declared_pipeline_is_routed_from_its_declaration_alone(tmp_path, monk
             registry.resolve_pipeline("tiny/no-such-model")
     finally:
         registry.pipelines.cache_clear()
+
+
+def test_a_built_in_name_imports_no_model_code_past_its_own():
+    """The launcher and every rank resolve ``--model-path`` (and the launcher checks its checkpoint):
+    for the probe that imports no model family, diffusers included (it took 4 s a process)."""
+    code = (
+        "import sys\n"
+        "from tilecast.runtime.registry import ensure_builtin_checkpoint, resolve_pipeline\n"
+        "assert resolve_pipeline('test/allreduce').builtin_name == 'test/allreduce'\n"
+        "assert ensure_builtin_checkpoint('test/allreduce') is None\n"
+        "loaded = [m for m in ('diffusers', 'tilecast.runtime.models.k6sr.pipeline') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)
