@@ -1,6 +1,7 @@
 """The server's processes and ports, for real: OS-picked ports reported through the ready file,
-no orphan after a ``kill -9`` of the launcher, a clean stop of a one-rank server on SIGTERM and
-SIGINT, and ``ServerDeadError`` (not a timeout) for a client waiting when rank 0 dies."""
+no orphan after a ``kill -9`` of the launcher, a launcher started with SIGINT/SIGTERM blocked (an
+inherited mask) that still stops on SIGTERM and leaves no orphan, a clean stop of a one-rank server
+on SIGTERM and SIGINT, and ``ServerDeadError`` (not a timeout) for a client waiting when rank 0 dies."""
 
 from __future__ import annotations
 

@@ -223,7 +223,7 @@ def test_k6sr_two_ranks_progress_and_cancel(tmp_path, layout):
             assert cancel_and_time(client, job) < 10.0
             stopped_early(client, job)
             assert files_of(out, job) == []
-            job = client.submit(**{**request, "num_inference_steps": 8})
+            job = client.submit(**{**request, "num_inference_steps": 4})
             seen = watch(client, job, timeout=90)
             assert seen[-1][0] == "completed", (seen[-1], server.log())
             assert any(state == "running" and 0 < progress < 1 for state, progress in seen), seen
