@@ -272,13 +272,13 @@ def test_generate_names_the_extra_to_install_with_its_brackets(tmp_path):
     import sys
 
     (tmp_path / "cudnn.py").write_text("raise ImportError('stand-in: nvidia-cudnn-frontend is not installed')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     args = ["generate", "--attention-backend", "fp8_cudnn", "--model-path", "tiny/flux", "--prompt", "x"]
     done = subprocess.run(
         [sys.executable, "-P", "-m", "tilecast", *args, "--device", "cpu"],
         capture_output=True,
         text=True,
-        env={**env, "COLUMNS": "200"},
+        env={**os.environ, "PYTHONPATH": path, "COLUMNS": "200"},
         timeout=120,
     )
     assert done.returncode != 0

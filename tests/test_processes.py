@@ -22,6 +22,7 @@ import pytest
 
 from tests.harness import ServerProcess, processes_with, rank_pid, serve_args, wait_for_state
 from tilecast.client import AsyncClient, Client, JobFailedError, ServerDeadError, read_ready_file
+from tilecast.launcher.torchrun import STOP_SIGNALS
 
 
 def _serve(tmp_path, num_gpus: int, **kwargs) -> ServerProcess:
@@ -87,9 +88,24 @@ def test_port_0_binds_os_picked_ports_reported_in_the_ready_file_and_line(tmp_pa
 # -- item 7: no orphans -------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Block SIGINT/SIGTERM in this thread while the block runs: a process started inside inherits
+    the mask through ``fork`` and ``exec``, as under a parent that blocked them."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 @pytest.mark.timeout(90)
-def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path):
-    server = _serve(tmp_path, 2)
+@pytest.mark.parametrize("blocked", [False, True], ids=["plain", "stop-signals-blocked"])
+def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path, blocked):
+    """Also for a launcher started with SIGINT/SIGTERM blocked: torchrun's parent-death signal is
+    SIGTERM, and with the inherited mask torchrun and both ranks outlived the launcher."""
+    with _stop_signals_blocked() if blocked else contextlib.nullcontext():
+        server = _serve(tmp_path, 2)
     try:
         assert len(server.leftovers()) == 4, "launcher, torchrun and two ranks"
         os.kill(server.proc.pid, signal.SIGKILL)
@@ -100,37 +116,16 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_every_rank_down(tmp_path):
         server.stop()
 
 
-@contextlib.contextmanager
-def _stop_signals_blocked():
-    """Block SIGINT/SIGTERM in this thread while the block runs: a process started inside inherits
-    the mask through ``fork`` and ``exec``, as under a parent that blocked them."""
-    stop = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_a_launcher_started_with_the_stop_signals_blocked_still_stops_on_sigterm(tmp_path):
-    """A blocked signal is inherited: started so, the launcher ignored SIGTERM and torchrun its
-    parent-death signal, and torchrun with both ranks outlived a ``kill -9`` of the launcher."""
+    """A blocked signal is inherited: started so, the launcher ignored SIGTERM (and torchrun the
+    SIGTERM it forwards) until a kill 30 s later."""
     with _stop_signals_blocked():
-        server = _serve(tmp_path / "term", 2)
+        server = _serve(tmp_path, 2)
     try:
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait(timeout=20) == 0, server.log()
         assert not server.leftovers_after(10), "processes outlived the launcher"
-    finally:
-        server.stop()
-    with _stop_signals_blocked():
-        server = _serve(tmp_path / "kill", 2)
-    try:
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.proc.wait(timeout=10)
-        left = server.leftovers_after(10)
-        assert not left, f"still alive 10 s after kill -9 of the launcher: {left}"
     finally:
         server.stop()
 
