@@ -56,10 +56,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t8, descale)``: ``t`` in e4m3 with one scale for the tensor (``t ~ t8 * descale``)."""
-    descale = (t.abs().amax().float() / E4M3_MAX).clamp_min(1e-30)
-    return (t.float() / descale).to(torch.float8_e4m3fn), descale.reshape(1, 1, 1, 1)
+def _descale(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s e4m3 scale, ``max|t| / 448`` in float32, shaped ``(1, 1, 1, 1)`` for the graph, by
+    PyTorch's own reduction: on an H100, at 47,616 tokens of 1,792 bf16 channels, this (0.11 ms) and
+    the compiled cast (0.25 ms) took 0.36 ms a tensor where the maximum compiled together with the
+    cast (for dynamic shapes) took 0.46-0.53 ms."""
+    amax = torch.linalg.vector_norm(t, float("inf")).float()  # exact in t's dtype: no float32 copy of t
+    return (amax / E4M3_MAX).clamp_min(1e-30).reshape(1, 1, 1, 1)
+
+
+def _quantize(t: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``t / descale`` in e4m3 (``t ~ t8 * descale``)."""
+    return (t.float() / descale.reshape(())).to(torch.float8_e4m3fn)
 
 
 def _dequantize(t8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,9 +77,9 @@ def _dequantize(t8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> 
 
 @functools.cache
 def _compiled():
-    """``_quantize`` and ``_dequantize`` compiled (each one reduction and one fused cast, as the
-    ``fp8`` backend's Triton quantization is), for every shape at once: compiled per shape, a server
-    of many shapes (and Ring's chunks) reached Dynamo's recompile limit (8) and fell back to eager."""
+    """``_quantize`` and ``_dequantize`` compiled (each one fused cast, as the ``fp8`` backend's Triton
+    quantization is), for every shape at once: compiled per shape, a server of many shapes (and
+    Ring's chunks) reached Dynamo's recompile limit (8) and fell back to eager."""
     return torch.compile(_quantize, dynamic=True), torch.compile(_dequantize, dynamic=True)
 
 
@@ -154,8 +162,9 @@ def run(
     handle = _handle(index)
     _import_cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
     quantize, dequantize = _compiled()
-    (q8, descale_q), (k8, descale_k), (v8, descale_v) = (quantize(t) for t in (q_BSHD, k_BKHD, v_BKHD))
-    q8, k8, v8 = (t8.contiguous() for t8 in (q8, k8, v8))  # the graph reads dense BSHD
+    inputs = (q_BSHD, k_BKHD, v_BKHD)
+    descale_q, descale_k, descale_v = descales = [_descale(t) for t in inputs]
+    q8, k8, v8 = (quantize(t, d).contiguous() for t, d in zip(inputs, descales))  # the graph reads dense BSHD
     out8 = torch.empty(q_BSHD.shape, device=device, dtype=torch.float8_e4m3fn)
     lse_BHS1 = torch.empty(batch, heads, num_q, 1, device=device, dtype=torch.float32)
     pack = {q: q8, k: k8, v: v8, out: out8, lse: lse_BHS1, **fixed}
