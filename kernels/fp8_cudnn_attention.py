@@ -77,9 +77,9 @@ def _dequantize(t8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> 
 
 @functools.cache
 def _compiled():
-    """``_quantize`` and ``_dequantize`` compiled (each one fused cast, as the ``fp8`` backend's Triton
-    quantization is), for every shape at once: compiled per shape, a server of many shapes (and
-    Ring's chunks) reached Dynamo's recompile limit (8) and fell back to eager."""
+    """``_quantize`` and ``_dequantize`` compiled (each one fused cast), for every shape at once:
+    compiled per shape, a server of many shapes (and Ring's chunks) reached Dynamo's recompile limit
+    (8) and fell back to eager."""
     return torch.compile(_quantize, dynamic=True), torch.compile(_dequantize, dynamic=True)
 
 
