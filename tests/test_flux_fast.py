@@ -113,3 +113,31 @@ def test_bench_step_refuses_bad_options(args, message, tiny_cache):
 
     result = CliRunner().invoke(app, ["bench", "step", *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_the_single_blocks_output_projection_reads_its_two_parts_without_concatenating(tiny_cache, tmp_path):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 16)
+    layer = flux_fast.ConcatInputLinear(linear, [16, 32])
+    attn, mlp = torch.randn(2, 5, 16), torch.randn(2, 5, 32)
+    assert layer.weight is linear.weight
+    assert torch.allclose(layer(attn, mlp), linear(torch.cat([attn, mlp], dim=-1)), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"\[16, 16\] features do not add up to the layer's 48"):
+        flux_fast.ConcatInputLinear(linear, [16, 16])
+
+    family = FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32"))
+    (block,) = family.pipe.transformer.single_transformer_blocks
+    assert isinstance(block.proj_out, flux_fast.ConcatInputLinear) and block.proj_out.sizes == [
+        block.attn.inner_dim,
+        block.mlp_hidden_dim,
+    ]
+    concatenated, inside = [], []
+    block.register_forward_pre_hook(lambda *_: inside.append(True))
+    block.register_forward_hook(lambda *_: inside.clear())
+    cat = torch.cat
+    try:  # inside the block: the text and image tokens joined (dim 1), never the features (the last dim)
+        torch.cat = lambda tensors, dim=0, **kw: (inside and concatenated.append(dim), cat(tensors, dim=dim, **kw))[1]
+        _image(family)
+    finally:
+        torch.cat = cat
+    assert concatenated and set(concatenated) == {1}

@@ -10,7 +10,13 @@ place, keeping its weights and its function:
   flash kernel, 0.6-0.7x as fast at FLUX's head dim 128);
 - the query/key/value projections of each attention (and the text stream's) become one matrix
   multiply (diffusers' ``fuse_qkv_projections``); the separate weights are then dropped, so the
-  model's memory does not grow.
+  model's memory does not grow;
+- each feed-forward's first linear layer and the single blocks' MLP projection take their GELU
+  into the matrix multiply (``tilecast.kernels.gelu_linear.GeluLinear``: cuBLASLt's epilogue on
+  CUDA), so the widest activations of a block are written once instead of three times;
+- a single block's output projection reads the attention output and the MLP activations where
+  they are (``ConcatInputLinear``: one product per part, the second accumulated onto the first)
+  instead of copying both into one concatenated tensor first (``single_block_forward``).
 
 With ``quantize="fp8"`` (``--quantize fp8``, opt-in), the blocks' linear layers (fused QKV,
 output, feed-forward and single-block projections) become ``tilecast.kernels.fp8.Fp8Linear``: FP8
@@ -31,13 +37,22 @@ from __future__ import annotations
 
 import logging
 import re
+import types
 
 import torch
+import torch.nn.functional as F
+from diffusers.models.activations import GELU
+from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxAttention, _get_qkv_projections
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxSingleTransformerBlock,
+    _get_qkv_projections,
+)
 
 from tilecast.kernels import fp8
 from tilecast.kernels.attention import attention, resolve_backend
+from tilecast.kernels.gelu_linear import GeluLinear
 from tilecast.runtime.config import check_quantize
 
 logger = logging.getLogger(__name__)
@@ -124,6 +139,79 @@ def fuse_projections(transformer: torch.nn.Module) -> int:
     return count
 
 
+def fuse_gelus(transformer: torch.nn.Module) -> int:
+    """Each bf16/fp32 linear layer followed by FLUX's tanh GELU becomes a ``GeluLinear``: the
+    feed-forwards' ``net[0]`` and the single blocks' ``proj_mlp`` (whose ``act_mlp`` becomes the
+    identity). Layers already replaced (FP8) are left alone. Returns how many."""
+    count = 0
+    for module in transformer.modules():
+        if isinstance(module, FeedForward) and isinstance(module.net[0], GELU):
+            if module.net[0].approximate == "tanh" and type(module.net[0].proj) is torch.nn.Linear:
+                module.net[0] = GeluLinear(module.net[0].proj)
+                count += 1
+        elif isinstance(module, FluxSingleTransformerBlock) and type(module.proj_mlp) is torch.nn.Linear:
+            if isinstance(module.act_mlp, torch.nn.GELU) and module.act_mlp.approximate == "tanh":
+                module.proj_mlp, module.act_mlp = GeluLinear(module.proj_mlp), torch.nn.Identity()
+                count += 1
+    return count
+
+
+class ConcatInputLinear(torch.nn.Module):
+    """``linear(torch.cat(parts, dim=-1))`` without the concatenation: the first part's product with
+    its columns of the weight (and the bias), then each further part's accumulated onto it
+    (``addmm``, beta 1). ``sizes``: the parts' feature counts. Weight and bias are ``linear``'s."""
+
+    def __init__(self, linear: torch.nn.Linear, sizes: list[int]) -> None:
+        super().__init__()
+        if sum(sizes) != linear.in_features:
+            raise ValueError(f"parts of {sizes} features do not add up to the layer's {linear.in_features}")
+        self.sizes, self.out_features = list(sizes), linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, *parts: torch.Tensor) -> torch.Tensor:
+        weights_NK = self.weight.split(self.sizes, dim=1)
+        out_MN = F.linear(parts[0].reshape(-1, self.sizes[0]), weights_NK[0], self.bias)
+        for part, weight_NK in zip(parts[1:], weights_NK[1:]):
+            out_MN = torch.addmm(out_MN, part.reshape(-1, part.shape[-1]), weight_NK.t())
+        return out_MN.reshape(*parts[0].shape[:-1], self.out_features)
+
+
+def single_block_forward(
+    self: FluxSingleTransformerBlock,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxSingleTransformerBlock.forward`` with the attention output and the MLP branch fed to a
+    ``ConcatInputLinear`` output projection as two parts, not concatenated (see ``split_single_blocks``)."""
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+    )
+    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(attn_output, mlp_hidden_states)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def split_single_blocks(transformer: torch.nn.Module) -> int:
+    """Each single block whose ``proj_out`` is a plain linear layer runs ``single_block_forward``
+    with a ``ConcatInputLinear`` output projection; returns how many."""
+    count = 0
+    for block in transformer.modules():
+        if isinstance(block, FluxSingleTransformerBlock) and type(block.proj_out) is torch.nn.Linear:
+            block.proj_out = ConcatInputLinear(block.proj_out, [block.attn.inner_dim, block.mlp_hidden_dim])
+            block.forward = types.MethodType(single_block_forward, block)
+            count += 1
+    return count
+
+
 _BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
 _MODULATION = re.compile(r"\.norm1?(_context)?\.linear$")
 """``AdaLayerNormZero(Single)``'s linear layer inside a block: ``norm1``, ``norm1_context``, ``norm``."""
@@ -139,8 +227,9 @@ def quantize_blocks(transformer: torch.nn.Module) -> int:
 def install_fast_paths(
     transformer: torch.nn.Module, *, backend: str | None = None, quantize: str | None = None, fuse: bool = True
 ) -> None:
-    """Dense attention processors, fused projections (unless ``fuse`` is false: LoRA adapters
-    target the separate q/k/v layers) and, with ``quantize``, FP8 blocks; see the module doc.
+    """Dense attention processors, fused projections and GELUs (unless ``fuse`` is false: LoRA
+    adapters target the separate q/k/v layers and the plain MLP layers) and, with ``quantize``,
+    FP8 blocks; see the module doc.
 
     An unknown ``backend`` or ``quantize``, or one that cannot run on the model's device and dtype,
     raises here, at load, naming the problem (``ValueError`` / ``BackendUnavailableError``).
@@ -160,10 +249,15 @@ def install_fast_paths(
     if fuse:
         fuse_projections(transformer)
     quantized = quantize_blocks(transformer) if quantize == "fp8" else 0
+    gelus = fuse_gelus(transformer) if fuse else 0
+    split = split_single_blocks(transformer) if fuse else 0
     logger.info(
-        "FLUX fast paths: attention backend %s on %d layers, %s projections%s",
+        "FLUX fast paths: attention backend %s on %d layers, %s projections, %d GELUs fused, "
+        "%d single blocks unconcatenated%s",
         backend or "auto",
         layers,
         "fused" if fuse else "separate (LoRA)",
+        gelus,
+        split,
         f", {quantized} FP8 linear layers" if quantized else "",
     )
