@@ -13,7 +13,8 @@ place, keeping its weights and its function:
   model's memory does not grow;
 - each feed-forward's first linear layer and the single blocks' MLP projection take their GELU
   into the matrix multiply (``tilecast.kernels.gelu_linear.GeluLinear``: cuBLASLt's epilogue on
-  CUDA), so the widest activations of a block are written once instead of three times;
+  CUDA), so the widest activations of a block are written once, already activated, not written,
+  read back and written again by a separate kernel;
 - a single block's output projection reads the attention output and the MLP activations where
   they are (``ConcatInputLinear``: one product per part, the second accumulated onto the first)
   instead of copying both into one concatenated tensor first (``single_block_forward``).
@@ -140,7 +141,7 @@ def fuse_projections(transformer: torch.nn.Module) -> int:
 
 
 def fuse_gelus(transformer: torch.nn.Module) -> int:
-    """Each bf16/fp32 linear layer followed by FLUX's tanh GELU becomes a ``GeluLinear``: the
+    """Each plain linear layer followed by FLUX's tanh GELU becomes a ``GeluLinear``: the
     feed-forwards' ``net[0]`` and the single blocks' ``proj_mlp`` (whose ``act_mlp`` becomes the
     identity). Layers already replaced (FP8) are left alone. Returns how many."""
     count = 0
