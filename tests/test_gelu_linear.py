@@ -4,7 +4,8 @@ On the CPU the layer is PyTorch's two operations, so it equals diffusers' layer 
 FLUX's fast paths put it exactly where a tanh GELU follows a plain linear layer (not on FP8 layers,
 not with LoRA). On CUDA it is cuBLASLt's bias-and-GELU epilogue (``torch._addmm_activation``): within
 one output rounding plus 1e-5 of the output's scale of the float32 computation (the epilogue rounds
-once, PyTorch's pair twice), also compiled, where Inductor must keep the epilogue call.
+once, PyTorch's pair twice), also compiled. That Inductor keeps the call (a fallback kernel, not
+decomposed into a product and a GELU kernel) is checked in its generated code, on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def test_the_layer_shares_the_linear_layers_parameters_and_computes_its_gelu_on_
     assert torch.equal(layer(x), F.gelu(linear(x), approximate="tanh"))
     with pytest.raises(ValueError, match="bias"):
         GeluLinear(nn.Linear(4, 4, bias=False))
+
+
+def test_inductor_keeps_the_epilogue_call_instead_of_decomposing_it():
+    from torch._inductor.utils import run_and_get_code
+
+    linear = _linear()
+
+    def product(x):
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+
+    with torch.inference_mode():
+        _, code = run_and_get_code(torch.compile(product, fullgraph=True), torch.randn(4, 64))
+    assert "aten._addmm_activation" in "\n".join(code)
 
 
 def test_flux_fuses_every_tanh_gelu_after_a_plain_linear_layer_and_nothing_else(tiny_cache, tmp_path):
