@@ -115,7 +115,9 @@ def test_bench_step_refuses_bad_options(args, message, tiny_cache):
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
 
 
-def test_the_single_blocks_output_projection_reads_its_two_parts_without_concatenating(tiny_cache, tmp_path):
+def test_the_single_blocks_output_projection_reads_its_two_parts_without_concatenating(
+    tiny_cache, tmp_path, monkeypatch
+):
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 16)
     layer = flux_fast.ConcatInputLinear(linear, [16, 32])
@@ -134,10 +136,9 @@ def test_the_single_blocks_output_projection_reads_its_two_parts_without_concate
     concatenated, inside = [], []
     block.register_forward_pre_hook(lambda *_: inside.append(True))
     block.register_forward_hook(lambda *_: inside.clear())
-    cat = torch.cat
-    try:  # inside the block: the text and image tokens joined (dim 1), never the features (the last dim)
-        torch.cat = lambda tensors, dim=0, **kw: (inside and concatenated.append(dim), cat(tensors, dim=dim, **kw))[1]
-        _image(family)
-    finally:
-        torch.cat = cat
+    cat = torch.cat  # inside the block: the text and image tokens joined (dim 1), never the features (the last dim)
+    monkeypatch.setattr(
+        torch, "cat", lambda tensors, dim=0, **kw: (inside and concatenated.append(dim), cat(tensors, dim=dim, **kw))[1]
+    )
+    _image(family)
     assert concatenated and set(concatenated) == {1}
