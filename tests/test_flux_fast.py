@@ -65,8 +65,16 @@ def test_a_mask_is_refused_not_ignored():
         FluxDenseAttnProcessor()(None, torch.zeros(1, 2, 4), attention_mask=torch.ones(1, 2))
 
 
-def test_compiled_blocks_match_diffusers(diffusers_pipe, tmp_path):
+def test_compiled_blocks_match_diffusers(diffusers_pipe, tmp_path, monkeypatch):
+    from diffusers import ModelMixin
+
+    options = []
+    compile_blocks = ModelMixin.compile_repeated_blocks
+    monkeypatch.setattr(
+        ModelMixin, "compile_repeated_blocks", lambda self, **kw: (options.append(kw), compile_blocks(self, **kw))[1]
+    )
     family = FluxT2IPipeline.load("tiny/flux", make_context(tmp_path, dtype="float32", compile=True))
+    assert options == [{"options": {"combo_kernels": True, "coordinate_descent_tuning": True}}]
     blocks = [*family.pipe.transformer.transformer_blocks, *family.pipe.transformer.single_transformer_blocks]
     assert all(block._compiled_call_impl is not None for block in blocks)
     assert family.pipe.vae.decoder._compiled_call_impl is not None
@@ -142,3 +150,18 @@ def test_the_single_blocks_output_projection_reads_its_two_parts_without_concate
     )
     _image(family)
     assert concatenated and set(concatenated) == {1}
+
+
+def test_compiled_the_parts_are_accumulated_by_the_opaque_op_not_inductors_copying_addmm():
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 16)
+    layer = flux_fast.ConcatInputLinear(linear, [16, 32])
+    attn, mlp = torch.randn(2, 5, 16), torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        got, code = run_and_get_code(torch.compile(layer, fullgraph=True), attn, mlp)
+        expected = linear(torch.cat([attn, mlp], dim=-1))
+    code = "\n".join(code)
+    assert "tilecast.linear_of_parts" in code and "addmm" not in code  # ATen's out-of-place addmm copies its input
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)

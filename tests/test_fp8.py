@@ -22,6 +22,7 @@ from tests.harness import cli_flags, flux_step_bench
 from tilecast.kernels import fp8
 from tilecast.kernels.fp8 import E4M3_MAX, Fp8Linear, quantize_linears, quantize_rows
 from tilecast.runtime.config import ServeConfig
+from tilecast.runtime.models.families.modulation import BankedLinear
 
 
 def needs_cpu_fp8(dtype: torch.dtype = torch.float32):
@@ -126,13 +127,14 @@ def test_flux_fp8_quantizes_the_block_projections_and_keeps_the_step_close(tiny_
         ]
     )
     kept = {name for name, m in transformer.named_modules() if type(m) is nn.Linear}
-    assert {
+    assert {"x_embedder", "proj_out"} <= kept
+    banked = {name for name, m in transformer.named_modules() if isinstance(m, BankedLinear)}
+    assert {  # the modulation layers: one product in the model's dtype (families.modulation)
         "transformer_blocks.0.norm1.linear",
         "transformer_blocks.0.norm1_context.linear",
         "single_transformer_blocks.0.norm.linear",
-        "x_embedder",
-        "proj_out",
-    } <= kept
+    } <= banked
+    assert transformer.modulation_bank.weight.dtype == reference.dtype
     assert not torch.equal(out, reference)
     assert psnr_db(out.float(), reference.float()) >= 45.0
 

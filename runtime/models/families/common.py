@@ -401,6 +401,8 @@ class DiffusersBatchPipeline(Pipeline):
     """The ``ServeConfig`` fields these families read (``Pipeline.honoured_settings``); any other
     pipeline setting set away from its default stops ``load`` with an error naming its flag. A
     family that honours more (in ``install_fast_paths`` or elsewhere) adds them here."""
+    compile_options: ClassVar[dict[str, Any]] = {}
+    """Inductor options of the family's ``--compile`` (``torch.compile(options=...)``); none by default."""
     output_kind: ClassVar[str] = "image"
     """``image`` (T2I) or ``video`` (T2V): the tensor name and the writer."""
     output_audio: ClassVar[bool] = False
@@ -543,7 +545,7 @@ class DiffusersBatchPipeline(Pipeline):
         with ``--compile``, diffusers' regional compilation of the transformer's repeated blocks. A
         family that reads more of ``settings`` here lists them in ``honoured_settings``."""
         if settings.compile:
-            pipe.transformer.compile_repeated_blocks()
+            pipe.transformer.compile_repeated_blocks(options=cls.compile_options or None)
 
     @classmethod
     def load(cls, model_path: str, ctx: RankContext) -> "DiffusersBatchPipeline":

@@ -171,6 +171,11 @@ class FluxT2IPipeline(DiffusersBatchPipeline):
     default_guidance = 3.5
     max_sequence_length = 128
     honoured_settings = DiffusersBatchPipeline.honoured_settings | {"attention_backend", "quantize", "cuda_graphs"}
+    compile_options = {"combo_kernels": True, "coordinate_descent_tuning": True}
+    """A joint block's image and text streams run the same norms side by side: Inductor launches
+    those pairs as one kernel (``combo_kernels``), and tunes its kernels' block sizes at compile
+    time (``coordinate_descent_tuning``; about 25 s more of the first compile on an H100). A 512²
+    batch-1 step: 40.2 -> 39.2 ms (README, Performance)."""
 
     @classmethod
     def install_fast_paths(cls, pipe, settings) -> None:

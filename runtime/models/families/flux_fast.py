@@ -16,8 +16,12 @@ place, keeping its weights and its function:
   CUDA), so the widest activations of a block are written once, already activated, not written,
   read back and written again by a separate kernel;
 - a single block's output projection reads the attention output and the MLP activations where
-  they are (``ConcatInputLinear``: one product per part, the second accumulated onto the first)
-  instead of copying both into one concatenated tensor first (``single_block_forward``).
+  they are (``ConcatInputLinear`` in ``single_block_forward``) instead of copying both into one
+  concatenated tensor first: one product per part, the second accumulated onto the first in place
+  (``linear_of_parts``; opaque to Inductor, whose ``addmm`` would copy the first product first);
+- every modulation layer (the blocks' and ``norm_out``'s shifts, scales and gates, all projected from
+  the same ``silu(temb)``) is one product per forward (``bank_modulation``, ``families.modulation``)
+  instead of 77 short memory-bound ones, each with its own SiLU.
 
 With ``quantize="fp8"`` (``--quantize fp8``, opt-in), the blocks' linear layers (fused QKV,
 output, feed-forward and single-block projections) become ``tilecast.kernels.fp8.Fp8Linear``: FP8
@@ -55,6 +59,7 @@ from tilecast.kernels import fp8
 from tilecast.kernels.attention import attention, resolve_backend
 from tilecast.kernels.gelu_linear import GeluLinear
 from tilecast.runtime.config import check_quantize
+from tilecast.runtime.models.families import modulation
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +165,7 @@ def fuse_gelus(transformer: torch.nn.Module) -> int:
 class ConcatInputLinear(torch.nn.Module):
     """``linear(torch.cat(parts, dim=-1))`` without the concatenation: the first part's product with
     its columns of the weight (and the bias), then each further part's accumulated onto it
-    (``addmm``, beta 1). ``sizes``: the parts' feature counts. Weight and bias are ``linear``'s."""
+    (``linear_of_parts``). ``sizes``: the parts' feature counts. Weight and bias are ``linear``'s."""
 
     def __init__(self, linear: torch.nn.Linear, sizes: list[int]) -> None:
         super().__init__()
@@ -170,11 +175,25 @@ class ConcatInputLinear(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, *parts: torch.Tensor) -> torch.Tensor:
-        weights_NK = self.weight.split(self.sizes, dim=1)
-        out_MN = F.linear(parts[0].reshape(-1, self.sizes[0]), weights_NK[0], self.bias)
-        for part, weight_NK in zip(parts[1:], weights_NK[1:]):
-            out_MN = torch.addmm(out_MN, part.reshape(-1, part.shape[-1]), weight_NK.t())
+        parts_MK = [part.reshape(-1, part.shape[-1]) for part in parts]
+        out_MN = linear_of_parts(parts_MK, list(self.weight.split(self.sizes, dim=1)), self.bias)
         return out_MN.reshape(*parts[0].shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("tilecast::linear_of_parts", mutates_args=())
+def linear_of_parts(parts: list[torch.Tensor], weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(cat(parts, -1), cat(weights, 1), bias)`` for 2-D ``parts``: the first part's product
+    (with the bias), each further part's accumulated onto it in place (``addmm_``). An opaque op, so
+    ``--compile`` keeps it in place: Inductor's out-of-place ``addmm`` would first copy the accumulator."""
+    out_MN = F.linear(parts[0], weights[0], bias)
+    for part_MK, weight_NK in zip(parts[1:], weights[1:]):
+        out_MN.addmm_(part_MK, weight_NK.t())
+    return out_MN
+
+
+@linear_of_parts.register_fake
+def _linear_of_parts_shape(parts, weights, bias):
+    return parts[0].new_empty(parts[0].shape[0], weights[0].shape[0])
 
 
 def single_block_forward(
@@ -211,6 +230,24 @@ def split_single_blocks(transformer: torch.nn.Module) -> int:
             block.forward = types.MethodType(single_block_forward, block)
             count += 1
     return count
+
+
+def bank_modulation(transformer: torch.nn.Module) -> int:
+    """Every modulation layer (each joint block's ``norm1`` and ``norm1_context``, each single
+    block's ``norm``, ``norm_out``) computed by one ``modulation.ModulationBank`` product per forward,
+    right after ``time_text_embed`` (the norms' own SiLU becomes the identity: the bank applies it);
+    returns how many layers. Nothing is banked (0) unless all of
+    them are plain linear layers (LoRA wraps them)."""
+    layers = [(block.norm1, "linear") for block in transformer.transformer_blocks]
+    layers += [(block.norm1_context, "linear") for block in transformer.transformer_blocks]
+    layers += [(block.norm, "linear") for block in transformer.single_transformer_blocks]
+    layers.append((transformer.norm_out, "linear"))
+    if any(type(getattr(parent, name)) is not torch.nn.Linear for parent, name in layers):
+        return 0
+    modulation.install(transformer, layers, source=transformer.time_text_embed)
+    for norm, _ in layers:  # the bank applies the SiLU once for all; a norm's own would be a wasted kernel
+        norm.silu = torch.nn.Identity()
+    return len(layers)
 
 
 _BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
@@ -252,13 +289,15 @@ def install_fast_paths(
     quantized = quantize_blocks(transformer) if quantize == "fp8" else 0
     gelus = fuse_gelus(transformer) if fuse else 0
     split = split_single_blocks(transformer) if fuse else 0
+    banked = bank_modulation(transformer) if fuse else 0
     logger.info(
         "FLUX fast paths: attention backend %s on %d layers, %s projections, %d GELUs fused, "
-        "%d single blocks unconcatenated%s",
+        "%d single blocks unconcatenated, %d modulation layers banked%s",
         backend or "auto",
         layers,
         "fused" if fuse else "separate (LoRA)",
         gelus,
         split,
+        banked,
         f", {quantized} FP8 linear layers" if quantized else "",
     )
