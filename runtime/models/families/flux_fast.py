@@ -236,8 +236,8 @@ def bank_modulation(transformer: torch.nn.Module) -> int:
     """Every modulation layer (each joint block's ``norm1`` and ``norm1_context``, each single
     block's ``norm``, ``norm_out``) computed by one ``modulation.ModulationBank`` product per forward,
     right after ``time_text_embed`` (the norms' own SiLU becomes the identity: the bank applies it);
-    returns how many layers. Nothing is banked (0) unless all of
-    them are plain linear layers (LoRA wraps them)."""
+    returns how many layers. Nothing is banked (0) unless all of them are plain linear layers (LoRA
+    wraps them)."""
     layers = [(block.norm1, "linear") for block in transformer.transformer_blocks]
     layers += [(block.norm1_context, "linear") for block in transformer.transformer_blocks]
     layers += [(block.norm, "linear") for block in transformer.single_transformer_blocks]

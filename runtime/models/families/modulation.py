@@ -11,8 +11,9 @@ each layer, now a ``BankedLinear``, returns its columns of that product instead 
 own. Same weights, same bias, same sums per output (one dot product of the same length); only the
 GEMV kernel and its summation order may differ, within the dtype's rounding.
 
-The bank assumes what holds in these transformers: every banked layer is called with
-``silu(temb)`` of the current forward, only inside the transformer's forward, after
+The bank assumes what holds in these transformers: a banked layer's input is this forward's
+``temb`` (or its SiLU: FLUX's norms, whose own SiLU ``bank_modulation`` makes the identity, pass
+``temb`` itself), and it is called only inside the transformer's forward, after
 ``time_text_embed``. A ``BankedLinear`` called before that (or after the forward, when the values
 are cleared) raises instead of returning stale values; one called with a batch other than the
 bank's raises naming both. The stacked weights replace the layers' own (the model's memory does
@@ -69,7 +70,7 @@ class ModulationBank(nn.Module):
         kw = dict(dtype=weight.dtype, device=weight.device)
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), weight.shape[1], **kw), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.sizes), **kw), requires_grad=False)
-        del weight
+        del weight  # keep no layer's weight alive past its replacement
         self.banked: list[BankedLinear] = []
         start = 0
         with torch.no_grad():

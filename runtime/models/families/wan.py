@@ -338,7 +338,7 @@ class WanFamily(DiffusersBatchPipeline):
         """``--compile``: both experts' repeated blocks (Wan2.2 A14B's ``transformer_2`` too)."""
         super().install_fast_paths(pipe, settings)
         if settings.compile and getattr(pipe, "transformer_2", None) is not None:
-            pipe.transformer_2.compile_repeated_blocks()
+            pipe.transformer_2.compile_repeated_blocks(options=cls.compile_options or None)
 
     @classmethod
     def variant_for(cls, model_path: str, model_id: str | None) -> str | None:
