@@ -1,11 +1,11 @@
 """Every modulation layer of a FLUX step as one product (``families.modulation``, ``flux_fast.bank_modulation``).
 
-On a small FLUX transformer (two joint and two single blocks, random weights, CPU float32): the
+On tiny/flux's transformer with two joint and three single blocks (random weights, CPU float32): the
 banked model equals the original within 1e-6 of the output (the same dot products; only the
 summation order of the one stacked product may differ), holds as many parameters, and computes one
 SiLU and one product where the original computed one per layer. Compiled with diffusers' regional
-compilation, the bank's outputs are graph inputs: one graph per block kind, no recompile per block
-or per call. Misuse raises naming the problem instead of returning another forward's values.
+compilation, the bank's outputs are graph inputs: as many graphs as diffusers' own model makes, no
+recompile per block or per call. Misuse raises naming the problem instead of returning another forward's values.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import make_context
 from tilecast.runtime.models.families import flux_fast
-from tilecast.runtime.models.families.flux import FluxT2IPipeline
+from tilecast.runtime.models.families.flux import TINY_OVERRIDES, FluxT2IPipeline, flux_configs
 from tilecast.runtime.models.families.modulation import BankedLinear, ModulationBank
 
 JOINT, SINGLE = 2, 3
@@ -29,27 +29,19 @@ LAYERS = 2 * JOINT + SINGLE + 1
 
 
 def _transformer() -> FluxTransformer2DModel:
+    """tiny/flux's transformer with more blocks (a per-block recompile needs two of a kind to show)."""
     torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=8,
-        num_layers=JOINT,
-        num_single_layers=SINGLE,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        guidance_embeds=True,
-        axes_dims_rope=(2, 2, 4),
-    ).eval()
+    config = {**flux_configs(TINY_OVERRIDES)["transformer"], "num_layers": JOINT, "num_single_layers": SINGLE}
+    return FluxTransformer2DModel(**config).eval()
 
 
 def _inputs(batch: int = 2) -> dict:
+    dims = flux_configs(TINY_OVERRIDES)["transformer"]
     torch.manual_seed(1)
     return dict(
-        hidden_states=torch.randn(batch, 16, 8),
-        encoder_hidden_states=torch.randn(batch, 4, 16),
-        pooled_projections=torch.randn(batch, 16),
+        hidden_states=torch.randn(batch, 16, dims["in_channels"]),
+        encoder_hidden_states=torch.randn(batch, 4, dims["joint_attention_dim"]),
+        pooled_projections=torch.randn(batch, dims["pooled_projection_dim"]),
         timestep=torch.full((batch,), 0.5),
         guidance=torch.full((batch,), 3.5),
         img_ids=torch.randn(16, 3),
@@ -142,10 +134,10 @@ def test_a_banked_layer_outside_the_forward_or_with_another_batch_raises():
     with torch.inference_mode():
         banked(**_inputs())
         with pytest.raises(RuntimeError, match="outside its transformer's forward"):
-            layer(torch.zeros(2, 16))
-        banked.modulation_bank.compute(torch.zeros(2, 16))
+            layer(torch.zeros(2, banked.inner_dim))
+        banked.modulation_bank.compute(torch.zeros(2, banked.inner_dim))
         with pytest.raises(ValueError, match=r"input rows \(1,\); the bank computed \(2,\)"):
-            layer(torch.zeros(1, 16))
+            layer(torch.zeros(1, banked.inner_dim))
 
 
 def test_layers_that_cannot_be_banked_are_refused_and_a_wrapped_one_leaves_the_model_alone():
