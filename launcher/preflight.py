@@ -41,7 +41,7 @@ def topology_errors(config: ServeConfig) -> list[str]:
 
 def node_layout() -> tuple[int, int]:
     """``(nodes, ranks on this node)`` under torchrun (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``); (1, 0) outside."""
-    from tilecast.runtime.distributed import under_torchrun
+    from tilecast.runtime.torchrun_env import under_torchrun
 
     if not under_torchrun():
         return 1, 0

@@ -4,8 +4,9 @@
 
 - **One builder.** ``ensure_model_dir`` takes an exclusive ``fcntl.flock`` on
   ``<cache>/locks/<name>.lock`` before building; every other process (or thread) waits on it,
-  then finds the finished directory. The launcher builds before it starts torchrun, so served ranks
-  normally only verify; under an external ``torchrun ... -m tilecast serve`` the lock serialises them.
+  then finds the finished directory. Every rank asks for its built-in checkpoint before it joins
+  the process group (``rank.start_rank``), so the first one to take the lock builds in-process and
+  the others verify; the launcher imports no model code (it starts torchrun at once).
 - **Never a weightless copy.** transformers' ``save_pretrained`` writes config and weights only when
   ``is_main_process`` and, if ``torch.distributed`` is initialised in the process, only on
   ``torch.distributed.get_rank() == 0`` (``PreTrainedModel.should_save_on_this_rank``; it reads

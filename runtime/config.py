@@ -17,6 +17,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Collection
 
+from tilecast.runtime.placement_config import PlacementConfig
 from tilecast.runtime.settings import Declared, check_declared, coerce_declared, declared, setting
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -264,10 +265,8 @@ class ServeConfig:
 
     @property
     def placement(self):
-        """The validated ``tilecast.runtime.placement.PlacementConfig`` of the placement fields (its
+        """The validated ``tilecast.runtime.placement_config.PlacementConfig`` of the placement fields (its
         fields carry the names of this class's)."""
-        from tilecast.runtime.placement import PlacementConfig  # imports torch: only when used
-
         return PlacementConfig(
             **{field.name: getattr(self, field.name) for field in dataclasses.fields(PlacementConfig)}
         )

@@ -18,13 +18,10 @@ import signal
 import torch
 import torch.distributed as dist
 
+from tilecast.runtime.torchrun_env import under_torchrun
 from tilecast.scheduler import protocol as P
 
 logger = logging.getLogger(__name__)
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def _parent_of(pid: int) -> int | None:

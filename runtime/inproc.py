@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.distributed import under_torchrun
 from tilecast.runtime.rank import start_rank
 from tilecast.runtime.server import RankZero
+from tilecast.runtime.torchrun_env import under_torchrun
 
 
 class InProcessServer:

@@ -17,7 +17,7 @@ from typing import Callable
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.distributed import Ranks, all_ranks_ok, init_ranks
 from tilecast.runtime.pipeline import Pipeline, RankContext
-from tilecast.runtime.registry import resolve_pipeline
+from tilecast.runtime.registry import ensure_builtin_checkpoint, resolve_pipeline
 from tilecast.runtime.replicas import Replica, ReplicaLayout, build_replica, layout_of, replica_context
 from tilecast.runtime.watchdog import ProgressBeat
 
@@ -139,6 +139,9 @@ def start_rank(
     ``replicas`` (``tilecast serve``): split the ranks into serving groups (``replicas.layout_of``) and
     load the pipeline with this rank's group as its run (``replica_context``). Otherwise (``generate``)
     one group of all ranks."""
+    # A built-in checkpoint is made (or verified) before the process group exists: the first rank to
+    # take the cache's lock builds it in this process, the others wait and verify (runtime/cache.py).
+    ensure_builtin_checkpoint(config.model_path)
     ranks = init_ranks(config.device, timeout_s=config.stuck_timeout_s + 60.0)
     write_pid_file(ranks.rank)
     beat = ProgressBeat()

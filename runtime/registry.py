@@ -62,7 +62,7 @@ PIPELINES: tuple[str, ...] = (
 tiny and released-size built-ins, a family and its variants), the first listed serves that class's
 directories unless a variant's hint names the model (module docstring). The probe comes first: a
 built-in name is looked up in this order, importing no module past its own (``builtin_pipeline``),
-so a probe server's launcher and ranks import no model code."""
+so a probe server's ranks import no model code."""
 
 
 def _load(target: str) -> type[Pipeline]:
@@ -156,7 +156,7 @@ def ensure_builtin_checkpoint(model_path: str) -> Path | None:
     """Generate (or verify) the checkpoint the built-in ``model_path`` names; None for any other path
     and for built-ins with nothing on disk.
 
-    The launcher calls this before it starts the ranks, so they find a finished, verified
-    checkpoint instead of building it concurrently (``runtime/cache.py``)."""
+    Every rank calls this before it joins the process group (``rank.start_rank``): one builds under
+    the cache's lock, in-process, and the others find it finished (``runtime/cache.py``)."""
     cls = builtin_pipeline(model_path)
     return None if cls is None else cls.ensure_builtin()

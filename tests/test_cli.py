@@ -140,8 +140,8 @@ def test_a_declared_pipeline_is_routed_from_its_declaration_alone(tmp_path, monk
 
 
 def test_a_built_in_name_imports_no_model_code_past_its_own():
-    """The launcher and every rank resolve ``--model-path`` (and the launcher checks its checkpoint):
-    for the probe that imports no model family, diffusers included (it took 4 s a process)."""
+    """Every rank resolves ``--model-path`` and checks its checkpoint: for the probe that imports no
+    model family, diffusers included (it took 4 s a process)."""
     code = (
         "import sys\n"
         "from tilecast.runtime.registry import ensure_builtin_checkpoint, resolve_pipeline\n"
@@ -151,3 +151,62 @@ def test_a_built_in_name_imports_no_model_code_past_its_own():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)
+
+
+LAUNCHER_IMPORTS = """
+import sys
+from tilecast.launcher import cli, torchrun
+
+
+def launch(nproc, args, **_):
+    heavy = ("torch", "diffusers", "transformers", "tilecast.runtime.models.k6sr.pipeline")
+    print("loaded before torchrun:", [name for name in heavy if name in sys.modules])
+    print("ranks:", nproc)
+    return 0
+
+
+torchrun.launch = launch
+sys.argv = ["tilecast", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--model-path", "tiny/k6sr", "--video-path", "clip.mp4", "--num-gpus", "2", "--ring-degree", "2"],
+        ["serve", "--model-path", "tiny/flux", "--num-gpus", "2", "--ulysses-degree", "2", "--http-port", "0"],
+    ],
+)
+def test_the_launcher_starts_torchrun_without_importing_torch_or_model_code(command, tmp_path):
+    """A multi-rank launch validates the whole command line, then starts torchrun at once: torch,
+    diffusers and the model's family are the ranks' imports (each rank makes or verifies a built-in
+    checkpoint before it joins the process group). They had cost the launcher about 4 s of CPU per
+    launch, and a second more to tear down at exit."""
+    (tmp_path / "clip.mp4").write_bytes(b"not decoded by the launcher")
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", LAUNCHER_IMPORTS, *command, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loaded before torchrun: []" in done.stdout, done.stdout
+    assert "ranks: 2" in done.stdout
+
+
+def test_the_command_ends_with_its_status_and_its_output_flushed():
+    """``main`` ends the process with ``os._exit`` (no interpreter teardown): what the command
+    printed reaches a pipe, and a refusal keeps its status."""
+    version = subprocess.run([sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("tilecast "), version
+    refused = subprocess.run(
+        [sys.executable, "-P", "-m", "tilecast", "generate", "--model-path", "/no/such/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused
+    assert "/no/such/model" in refused.stdout + refused.stderr
+    assert cli._exit_status(None) == 0 and cli._exit_status(3) == 3 and cli._exit_status(256 + 4) == 4

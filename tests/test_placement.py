@@ -27,7 +27,8 @@ from tests.harness import make_context
 from tilecast.runtime.models.k6sr.params import SRParams
 from tilecast.runtime.models.k6sr.pipeline import K6SRPipeline
 from tilecast.runtime.pipeline import RankContext
-from tilecast.runtime.placement import LayerStreamer, PlacementConfig, on_device
+from tilecast.runtime.placement import LayerStreamer, on_device
+from tilecast.runtime.placement_config import PlacementConfig
 
 ROUNDING = 1e-5
 """fp32 rounding bound versus the as-loaded (unaligned) resident weights; measured 1.8e-6."""

@@ -384,7 +384,7 @@ def test_layerwise_offload_of_what_a_wan_family_cannot_stream_is_refused(
 
 
 def test_transformer_2_is_a_known_offload_component_elsewhere_refused():
-    from tilecast.runtime.placement import parse_components
+    from tilecast.runtime.placement_config import parse_components
 
     assert parse_components("transformer_2, transformer", "--cpu-offload-components") == (
         "transformer",
