@@ -70,7 +70,8 @@ class Ranks:
 
 
 def init_ranks(device: str, *, timeout_s: float) -> Ranks:
-    """Create the process groups for ``device`` (``cpu`` or ``cuda``)."""
+    """Create the process groups for ``device`` (``cpu`` or ``cuda``). A rank has called
+    ``die_with_parent`` before (``rank.start_rank``, first thing)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -79,7 +80,6 @@ def init_ranks(device: str, *, timeout_s: float) -> Ranks:
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         return Ranks(rank=0, world_size=1, local_rank=0, device=dev, cpu_group=None, device_group=None)
 
-    die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 from tilecast.runtime.config import ServeConfig
-from tilecast.runtime.distributed import Ranks, all_ranks_ok, init_ranks
+from tilecast.runtime.distributed import Ranks, all_ranks_ok, die_with_parent, init_ranks
 from tilecast.runtime.pipeline import Pipeline, RankContext
 from tilecast.runtime.registry import ensure_builtin_checkpoint, resolve_pipeline
 from tilecast.runtime.replicas import Replica, ReplicaLayout, build_replica, layout_of, replica_context
+from tilecast.runtime.torchrun_env import under_torchrun
 from tilecast.runtime.watchdog import ProgressBeat
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ def start_rank(
     ``replicas`` (``tilecast serve``): split the ranks into serving groups (``replicas.layout_of``) and
     load the pipeline with this rank's group as its run (``replica_context``). Otherwise (``generate``)
     one group of all ranks."""
+    if under_torchrun():
+        die_with_parent()  # first: a rank still waiting on the checkpoint's lock goes down with torchrun too
     # A built-in checkpoint is made (or verified) before the process group exists: the first rank to
     # take the cache's lock builds it in this process, the others wait and verify (runtime/cache.py).
     ensure_builtin_checkpoint(config.model_path)
