@@ -1,8 +1,8 @@
 """The weight-placement settings, validated: which components are offloaded and how (no torch).
 
 ``ServeConfig`` checks its placement flags through ``PlacementConfig`` when it is built, so the
-launcher, which never imports torch, refuses a bad combination before any rank starts; the
-placements themselves are ``runtime/placement.py``'s.
+launcher refuses a bad combination before any rank starts without importing torch; the placements
+themselves are ``runtime/placement.py``'s.
 """
 
 from __future__ import annotations
