@@ -142,9 +142,10 @@ def start_rank(
     one group of all ranks."""
     if under_torchrun():
         die_with_parent()  # first: a rank still waiting on the checkpoint's lock goes down with torchrun too
-    # A built-in checkpoint is made (or verified) before the process group exists: the first rank to
-    # take the cache's lock builds it in this process, the others wait and verify (runtime/cache.py).
-    ensure_builtin_checkpoint(config.model_path)
+        # A built-in checkpoint is made (or verified) before the process group exists: the first rank
+        # to take the cache's lock builds it in this process, the others wait and verify
+        # (runtime/cache.py). One rank alone makes it when its pipeline loads.
+        ensure_builtin_checkpoint(config.model_path)
     ranks = init_ranks(config.device, timeout_s=config.stuck_timeout_s + 60.0)
     write_pid_file(ranks.rank)
     beat = ProgressBeat()

@@ -199,7 +199,9 @@ def test_the_launcher_starts_torchrun_without_importing_torch_or_model_code(comm
 def test_the_command_ends_with_its_status_and_its_output_flushed():
     """``main`` ends the process with ``os._exit`` (no interpreter teardown): what the command
     printed reaches a pipe, and a refusal keeps its status."""
-    version = subprocess.run([sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True)
+    version = subprocess.run(
+        [sys.executable, "-P", "-m", "tilecast", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert version.returncode == 0 and version.stdout.startswith("tilecast "), version
     refused = subprocess.run(
         [sys.executable, "-P", "-m", "tilecast", "generate", "--model-path", "/no/such/model"],
