@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from diffusers.models.activations import GELU
 from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_flux import (
     FluxAttention,
     FluxSingleTransformerBlock,
@@ -58,6 +59,7 @@ from diffusers.models.transformers.transformer_flux import (
 from tilecast.kernels import fp8
 from tilecast.kernels.attention import attention, resolve_backend
 from tilecast.kernels.gelu_linear import GeluLinear
+from tilecast.kernels.qk_norm_rope import qk_norm_rope
 from tilecast.runtime.config import check_quantize
 from tilecast.runtime.models.families import modulation
 
@@ -96,7 +98,15 @@ def flux_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """diffusers' ``FluxAttnProcessor`` up to the attention: the per-head normed queries, keys and
     values (``BSHD``) of the joint ``[text, image]`` sequence (image only in single-stream blocks),
-    with the rotary embedding applied."""
+    with the rotary embedding applied. With fused projections (the served default) the norms, the
+    rotation and the joining are one pass (``kernels.qk_norm_rope``)."""
+    if _one_pass(attn, encoder_hidden_states, image_rotary_emb):
+        segments = [(attn.to_qkv(hidden_states), attn.norm_q.weight, attn.norm_k.weight)]
+        if encoder_hidden_states is not None:  # joint block: the text tokens go first
+            segments.insert(
+                0, (attn.to_added_qkv(encoder_hidden_states), attn.norm_added_q.weight, attn.norm_added_k.weight)
+            )
+        return qk_norm_rope(segments, *image_rotary_emb, heads=attn.heads, eps=attn.norm_q.eps)
     q_BSC, k_BSC, v_BSC, text_q_BSC, text_k_BSC, text_v_BSC = _get_qkv_projections(
         attn, hidden_states, encoder_hidden_states
     )
@@ -111,6 +121,27 @@ def flux_qkv(
         q_BSHD = apply_rotary_emb(q_BSHD, image_rotary_emb, sequence_dim=1)
         k_BSHD = apply_rotary_emb(k_BSHD, image_rotary_emb, sequence_dim=1)
     return q_BSHD, k_BSHD, v_BSHD
+
+
+def _one_pass(attn: FluxAttention, encoder_hidden_states: torch.Tensor | None, image_rotary_emb) -> bool:
+    """Whether ``qk_norm_rope`` computes this call: fused projections, a rotary embedding as
+    ``(cos, sin)``, and weighted RMS norms (PyTorch's, as diffusers' FLUX has them, or diffusers'
+    own without a bias), all with one given epsilon."""
+    if not getattr(attn, "fused_projections", False) or not isinstance(image_rotary_emb, tuple):
+        return False
+    norms = [attn.norm_q, attn.norm_k]
+    if encoder_hidden_states is not None:
+        if attn.added_kv_proj_dim is None:
+            return False
+        norms += [attn.norm_added_q, attn.norm_added_k]
+    return all(
+        isinstance(norm, (torch.nn.RMSNorm, RMSNorm))
+        and norm.weight is not None
+        and getattr(norm, "bias", None) is None
+        and norm.eps is not None
+        and norm.eps == attn.norm_q.eps
+        for norm in norms
+    )
 
 
 def flux_output(
