@@ -12,10 +12,13 @@ of one module's graphs allocate from one memory pool: they run one at a time on 
 and every output is cloned before the next replay, so they may reuse each other's intermediates.
 
 The forward must be capturable: device tensors only, no host synchronisation (``.item()``,
-data-dependent shapes), no state carried between calls outside its arguments. Its outputs must be
-a tensor or a tuple/list of tensors. A capture uses PyTorch's default (global) error mode, so no
-other thread may call CUDA meanwhile (tilecast's file writers get host tensors). The pool keeps the
-largest captured forward's working memory reserved for the life of the process.
+data-dependent shapes), no state carried between calls outside its arguments, except state that
+``key`` names: its value is part of the signature, so each value gets its own graph (FLUX's
+modulation computed in the forward, or read from a buffer a pre-hook filled:
+``families.modulation``). Its outputs must be a tensor or a tuple/list of tensors. A capture uses
+PyTorch's default (global) error mode, so no other thread may call CUDA meanwhile (tilecast's file
+writers get host tensors). The pool keeps the largest captured forward's working memory reserved
+for the life of the process.
 
 Shapes: whatever the module takes; nothing is reshaped here.
 """
@@ -94,17 +97,20 @@ class _Captured:
 class GraphedForward:
     """Callable that stands in for ``module.forward``; see the module doc. ``install`` puts it in place."""
 
-    def __init__(self, module: torch.nn.Module, *, warmup_calls: int = WARMUP_CALLS) -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, warmup_calls: int = WARMUP_CALLS, key: Callable[[], Any] = lambda: None
+    ) -> None:
         if warmup_calls < 1:
             raise ValueError(f"warmup_calls must be at least 1, got {warmup_calls}")
         self.forward = type(module).forward.__get__(module)
         self.warmup_calls = warmup_calls
+        self.key = key
         self.calls: Counter = Counter()
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, *args, **kwargs) -> Any:
-        key = _signature(args, kwargs)
+        key = (_signature(args, kwargs), _plain(self.key()))
         captured = self.graphs.get(key)
         if captured is None:
             self.calls[key] += 1
@@ -121,9 +127,12 @@ def check_supported(device: torch.device) -> None:
         raise ValueError(f"--cuda-graphs needs a CUDA device; the model is on {device}")
 
 
-def install(module: torch.nn.Module, *, warmup_calls: int = WARMUP_CALLS) -> GraphedForward:
-    """Replace ``module.forward`` by a ``GraphedForward`` of it (module hooks still run around it)."""
+def install(
+    module: torch.nn.Module, *, warmup_calls: int = WARMUP_CALLS, key: Callable[[], Any] = lambda: None
+) -> GraphedForward:
+    """Replace ``module.forward`` by a ``GraphedForward`` of it (module hooks still run around it);
+    ``key()``, read at each call after the pre-hooks, is part of the signature (see the module doc)."""
     check_supported(next(module.parameters()).device)
-    graphed = GraphedForward(module, warmup_calls=warmup_calls)
+    graphed = GraphedForward(module, warmup_calls=warmup_calls, key=key)
     module.forward = graphed
     return graphed

@@ -25,7 +25,9 @@ Tolerances, on the tiny checkpoint's float video in [-1, 1]:
   float32 product of its dequantized operands within bf16 rounding.
 - ``--cuda-graphs`` (``runtime.cuda_graphs``) on FLUX, eager and compiled: a whole 4-step
   ``FluxPipeline`` call, two batch sizes, is bit-exact to the same call without graphs (a replay
-  runs the kernels the capture recorded, on copies of the same inputs).
+  runs the kernels the capture recorded, on copies of the same inputs); a graph reading a loop's
+  planned modulation (``flux_plan``) against the per-step product without graphs, fp32: within
+  1e-4 of the latents' scale (one product of more rows sums in another order).
 """
 
 from __future__ import annotations
@@ -231,6 +233,42 @@ def test_flux_cuda_graphs_are_bit_exact(compile_blocks):
 
     plain, _ = images(cuda_graphs=False)
     graphed, forward = images(cuda_graphs=True)
-    assert sorted(dict(kwargs)["hidden_states"][1][0] for _args, kwargs in forward.graphs) == [1, 2]
+    # one graph per batch size, each reading the loop's planned modulation (flux_plan), none computing it
+    assert sorted((dict(kwargs)["hidden_states"][1][0], staged) for (_, kwargs), staged in forward.graphs) == [
+        (1, True),
+        (2, True),
+    ]
     for a, b in zip(plain, graphed):
         assert torch.equal(a, b)
+
+
+def test_flux_planned_modulation_under_cuda_graphs_matches_the_per_step_product(monkeypatch):
+    from tilecast.runtime.models.families import flux_plan
+    from tilecast.runtime.models.families.flux import FluxT2IPipeline
+
+    def latents(planned):
+        with monkeypatch.context() as patch:
+            if not planned:
+                patch.setattr(flux_plan, "install", lambda *args: None)
+            pipe = FluxT2IPipeline.build_diffusers("tiny/flux", torch.device("cuda"), torch.float32)
+            FluxT2IPipeline.install_fast_paths(pipe, ServeConfig(cuda_graphs=True))
+        with torch.inference_mode():
+            return [
+                pipe(
+                    prompt=["plan test"],
+                    width=64,
+                    height=64,
+                    num_inference_steps=6,  # the signature's third call is captured, mid-loop
+                    max_sequence_length=FluxT2IPipeline.max_sequence_length,
+                    generator=torch.Generator("cpu").manual_seed(seed),
+                    output_type="latent",
+                ).images
+                for seed in (1, 2)
+            ], pipe.transformer.forward
+
+    (first, second), forward = latents(planned=True)
+    (want_first, want_second), reference_forward = latents(planned=False)
+    assert [staged for _, staged in forward.graphs] == [True]
+    assert [staged for _, staged in reference_forward.graphs] == [False]
+    for got, want in ((first, want_first), (second, want_second)):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # fp32: one product of more rows

@@ -105,10 +105,23 @@ def test_bench_step_times_both_sides_of_the_same_model(tiny_cache, tmp_path):
     assert rows[1]["tflop"] == pytest.approx(3 * rows[0]["tflop"], rel=0.05)
 
 
+def test_bench_step_times_the_pipelines_loop_with_the_planned_modulation(tiny_cache, monkeypatch):
+    from tilecast.runtime.models.families import flux_plan
+
+    plans = []
+    plan = flux_plan.ModulationPlanner._plan
+    monkeypatch.setattr(flux_plan.ModulationPlanner, "_plan", lambda self, *a: (plans.append(1), plan(self, *a))[1])
+    (row,) = flux_step_bench(width=32, height=32, batch_sizes=[2], attention_backend="sdpa_math", iters=2, loop_steps=3)
+    assert row["loop_steps"] == 3 and row["tilecast_ms"] > 0 and row["diffusers_ms"] > 0
+    assert row["max_rel_diff"] <= 1e-5  # the loops' latents: the fast paths and the plan keep the function
+    assert len(plans) == 1 + 2  # one plan per tilecast loop: the warm-up's and the two timed
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--model-path", "tiny/qwen-image"], "times FLUX's transformer"),
+        (["--loop-steps", "-1"], "loop steps must be 0"),
         (["--width", "50"], "multiples of 16"),
         (["--batch-size", "0"], "positive integer"),
         (["--dtype", "float64"], "--dtype must be one of"),

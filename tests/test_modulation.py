@@ -138,6 +138,15 @@ def test_a_banked_layer_outside_the_forward_or_with_another_batch_raises():
         banked.modulation_bank.compute(torch.zeros(2, banked.inner_dim))
         with pytest.raises(ValueError, match=r"input rows \(1,\); the bank computed \(2,\)"):
             layer(torch.zeros(1, banked.inner_dim))
+        bank = banked.modulation_bank
+        with pytest.raises(IndexError, match="step 0 of a plan of 0 steps"):
+            bank.stage(0)
+        bank.plan(torch.zeros(3, 2, banked.inner_dim))
+        with pytest.raises(IndexError, match="step 3 of a plan of 3 steps"):
+            bank.stage(3)
+        bank.stage(2)
+        with pytest.raises(ValueError, match="a forward of batch 1 found a modulation row staged for batch 2"):
+            bank.compute(torch.zeros(1, banked.inner_dim))
 
 
 def test_layers_that_cannot_be_banked_are_refused_and_a_wrapped_one_leaves_the_model_alone():

@@ -253,7 +253,14 @@ def step(
     cuda_graphs: Annotated[
         bool, typer.Option("--cuda-graphs", help="Replay tilecast's forward as a CUDA graph (captured in the warm-up).")
     ] = False,
-    iters: Annotated[int, typer.Option("--iters")] = 10,
+    iters: Annotated[int, typer.Option("--iters", help="Timed steps (with --loop-steps: loops).")] = 10,
+    loop_steps: Annotated[
+        int,
+        typer.Option(
+            "--loop-steps",
+            help="Time the pipeline's own loop of this many steps and report a step as its share (0: one call).",
+        ),
+    ] = 0,
     profile: Annotated[
         Optional[Path],
         typer.Option("--profile", help="Also profile one tilecast step per batch size; tables into this folder."),
@@ -279,12 +286,14 @@ def step(
             quantize=quantize,
             cuda_graphs=cuda_graphs,
             iters=iters,
+            loop_steps=loop_steps,
             profile_dir=profile,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     columns = [
         "batch",
+        "loop_steps",
         "tflop",
         "diffusers_ms",
         "tilecast_ms",

@@ -8,6 +8,10 @@ installed on the same object (``install_fast_paths``: its attention kernel, fuse
 with ``quantize`` FP8 linear layers, with ``compile_blocks`` compiled blocks, with ``cuda_graphs``
 the forward replayed as a CUDA graph) and the same inputs are timed again. Each side is warmed up
 first (the compile and the graph capture are in tilecast's warm-up, reported as ``warmup_s``).
+With ``loop_steps`` each side instead runs the pipeline's own denoising loop of that many steps
+from the same latents and embeddings (``output_type="latent"``, no decode) and a step is the
+loop's time over its steps: what a served request's step costs, scheduler steps and what a loop
+shares between its steps (``flux_plan``'s modulation planned once per loop) included.
 Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by
 PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two sides' outputs
 compared: the largest difference relative to the output's scale, and the PSNR (peak: the
@@ -62,18 +66,33 @@ def step_inputs(pipe, batch: int, *, width: int, height: int, max_sequence_lengt
     )
 
 
-def time_step(transformer, inputs: dict, *, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
-    """(seconds of warm-up, milliseconds per step, the output) of ``transformer(**inputs)``: the
-    ``iters`` steps run back to back, synchronized once at the end (a host-bound step is timed as
-    it would run in the denoising loop)."""
-    timing = time_repeated(
-        lambda: transformer(**inputs)[0],
-        repeats=iters,
-        warmup=warmup,
-        device=inputs["hidden_states"].device,
-        each=False,
-    )
-    return timing.warmup_s, timing.mean_s * 1e3, timing.result
+def denoising_loop(pipe, inputs: dict, *, steps: int, width: int, height: int) -> torch.Tensor:
+    """The latents of ``pipe``'s own ``steps``-step loop from ``inputs``' latents and embeddings."""
+    return pipe(
+        prompt_embeds=inputs["encoder_hidden_states"],
+        pooled_prompt_embeds=inputs["pooled_projections"],
+        latents=inputs["hidden_states"],
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=GUIDANCE,
+        output_type="latent",
+        return_dict=False,
+    )[0]
+
+
+def time_step(
+    pipe, inputs: dict, *, warmup: int, iters: int, loop_steps: int, width: int, height: int
+) -> tuple[float, float, torch.Tensor]:
+    """(seconds of warm-up, milliseconds per step, the output): ``iters`` transformer calls on
+    ``inputs``, or with ``loop_steps`` ``iters`` loops, run back to back and synchronized once at
+    the end (a host-bound step is timed as it would run in the denoising loop)."""
+    if loop_steps:
+        call = functools.partial(denoising_loop, pipe, inputs, steps=loop_steps, width=width, height=height)
+    else:
+        call = lambda: pipe.transformer(**inputs)[0]  # noqa: E731
+    timing = time_repeated(call, repeats=iters, warmup=warmup, device=inputs["hidden_states"].device, each=False)
+    return timing.warmup_s, timing.mean_s * 1e3 / max(loop_steps, 1), timing.result
 
 
 def count_flops(transformer, inputs: dict) -> int:
@@ -97,11 +116,12 @@ def run_step_bench(
     cuda_graphs: bool = False,
     warmup: int = 3,
     iters: int = 10,
+    loop_steps: int = 0,
     profile_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One row per batch size (see the module doc). ``ValueError`` names a bad argument. With
-    ``profile_dir``, one more tilecast step per batch size runs under the profiler after its timing
-    (``step_b<batch>.txt``)."""
+    ``profile_dir``, one more tilecast step (with ``loop_steps``, loop) per batch size runs under
+    the profiler after its timing (``step_b<batch>.txt``)."""
     family = resolve_pipeline(model_path)
     if not issubclass(family, FluxT2IPipeline):
         raise ValueError(
@@ -111,10 +131,16 @@ def run_step_bench(
     for name, values in (("batch size", batch_sizes), ("warm-up", [warmup]), ("iters", [iters])):
         if not values or any(v < 1 for v in values):
             raise ValueError(f"every {name} must be a positive integer, got {values}")
+    if loop_steps < 0:
+        raise ValueError(f"loop steps must be 0 (one transformer call) or a positive integer, got {loop_steps}")
     for side in (width, height):
         if side % family.size_multiple:
             raise ValueError(f"width and height must be multiples of {family.size_multiple}, got {width}x{height}")
     pipe = family.build_diffusers(model_path, torch.device(device), getattr(torch, dtype))
+    pipe.set_progress_bar_config(disable=True)
+    timed = functools.partial(
+        time_step, pipe, warmup=warmup, iters=iters, loop_steps=loop_steps, width=width, height=height
+    )
     with torch.inference_mode():
         inputs = {
             b: step_inputs(pipe, b, width=width, height=height, max_sequence_length=family.max_sequence_length)
@@ -122,13 +148,14 @@ def run_step_bench(
         }
         rows = []
         for batch in batch_sizes:
-            warmup_s, ms, out = time_step(pipe.transformer, inputs[batch], warmup=warmup, iters=iters)
+            warmup_s, ms, out = timed(inputs[batch])
             rows.append(
                 dict(
                     model=model_path,
                     width=width,
                     height=height,
                     batch=batch,
+                    loop_steps=loop_steps,
                     dtype=dtype,
                     tflop=count_flops(pipe.transformer, inputs[batch]) / 1e12,
                     diffusers_ms=ms,
@@ -149,9 +176,9 @@ def run_step_bench(
             ),
         )
         for row in rows:
-            warmup_s, ms, out = time_step(pipe.transformer, inputs[row["batch"]], warmup=warmup, iters=iters)
+            warmup_s, ms, out = timed(inputs[row["batch"]])
             if profile_dir is not None:
-                step = functools.partial(pipe.transformer, **inputs[row["batch"]])
+                step = functools.partial(timed, inputs[row["batch"]], warmup=0, iters=1)
                 profile_call(step, Path(profile_dir) / f"step_b{row['batch']}.txt", device=device)
             reference = row.pop("reference").float()
             row.update(

@@ -21,7 +21,8 @@ place, keeping its weights and its function:
   (``linear_of_parts``; opaque to Inductor, whose ``addmm`` would copy the first product first);
 - every modulation layer (the blocks' and ``norm_out``'s shifts, scales and gates, all projected from
   the same ``silu(temb)``) is one product per forward (``bank_modulation``, ``families.modulation``)
-  instead of 77 short memory-bound ones, each with its own SiLU.
+  instead of 77 short memory-bound ones, each with its own SiLU; in ``FluxPipeline``'s loop, one
+  product per loop (``families.flux_plan``).
 
 With ``quantize="fp8"`` (``--quantize fp8``, opt-in), the blocks' linear layers (fused QKV,
 output, feed-forward and single-block projections) become ``tilecast.kernels.fp8.Fp8Linear``: FP8
