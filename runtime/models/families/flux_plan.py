@@ -5,22 +5,20 @@
 each ``t`` of its scheduler's ``timesteps``, after ``set_timesteps`` (which leaves the
 scheduler's ``step_index`` at ``None``) and ``set_begin_index(0)``; each ``scheduler.step`` then
 advances ``step_index``, so before step ``i``'s transformer call it reads ``i`` (``None`` for the
-first). Every step's
-conditioning is therefore known at the first call, and the banked modulation
-(``families.modulation``) of all steps can be one product: one read of its 6.5 GB of weights at
-FLUX.1-dev's size for the loop instead of one per step.
+first). Every step's conditioning is therefore known at the first call, and the banked
+modulation (``families.modulation``) of all steps can be one product: one read of its 6.5 GB of
+weights at FLUX.1-dev's size for the loop instead of one per step.
 
 The planner is a forward pre-hook on the transformer. At a loop's first call (step index
-``None``, begin index 0) it computes every
-step's ``temb`` with the transformer's own ``time_text_embed`` (as the forward would: the
-timesteps and guidance in the model's dtype, times 1000) and has the bank ``plan`` them, after one
-check that the pipeline's argument for the first step is the one it derived (a host
-synchronisation once per loop). Before each call of that loop it ``stage``s the step's row, as
-long as the call is the loop's: the same ``pooled_projections`` and ``guidance`` objects, the same
-``timesteps`` object, the same batch, a step inside the plan. Any other call (another pipeline, a
-direct call, a second transformer call per step as true CFG makes, with other pooled embeddings)
-computes its product as before. A plan larger than ``PLAN_MAX_BYTES`` is not made; a plan is
-dropped once its last step is staged.
+``None``, begin index 0) it computes every step's ``temb`` with the transformer's own
+``time_text_embed`` (as the forward would: the timesteps and guidance in the model's dtype, times
+1000) and has the bank ``plan`` them, after one check that the pipeline's argument for the first
+step is the one it derived (a host synchronisation once per loop). Before each call of that loop
+it ``stage``s the step's row, as long as the call is the loop's: the same ``pooled_projections``
+and ``guidance`` objects, the same ``timesteps`` object, the same batch, a step inside the plan.
+Any other call (another pipeline, a direct call, a second transformer call per step as true CFG
+makes, with other pooled embeddings) computes its product as before. A plan larger than
+``PLAN_MAX_BYTES`` is not made; a plan is dropped once its last step is staged.
 
 A step's row equals the product that step computes up to the rounding of one product with more
 rows (``tests/test_flux_plan.py``).

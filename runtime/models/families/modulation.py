@@ -83,7 +83,7 @@ class ModulationBank(nn.Module):
         del weight  # keep no layer's weight alive past its replacement
         self.banked: list[BankedLinear] = []
         self.plan_SBN: torch.Tensor | None = None
-        self.staged, self.staged_batch = False, 0
+        self.staged_batch: int | None = None  # the batch of the row stage() copied for the next forward
         self._staged_BN: dict[int, torch.Tensor] = {}
         start = 0
         with torch.no_grad():
@@ -96,13 +96,18 @@ class ModulationBank(nn.Module):
                 self.banked.append(banked)
                 start += size
 
+    @property
+    def staged(self) -> bool:
+        """Whether the next forward reads a staged row (``stage``) instead of computing its product."""
+        return self.staged_batch is not None
+
     def product(self, temb: torch.Tensor) -> torch.Tensor:
         """``linear(silu(temb))`` of every banked layer at once (any leading dims)."""
         return F.linear(F.silu(temb).to(self.weight.dtype), self.weight, self.bias)
 
     def compute(self, temb_BK: torch.Tensor) -> None:
         """Every banked layer's output for this forward: the product, or the staged step's row."""
-        if self.staged:
+        if self.staged_batch is not None:
             if temb_BK.shape[0] != self.staged_batch:
                 raise ValueError(
                     f"a forward of batch {temb_BK.shape[0]} found a modulation row staged for batch {self.staged_batch}"
@@ -127,13 +132,13 @@ class ModulationBank(nn.Module):
         if buffer_BN is None:
             buffer_BN = self._staged_BN[row_BN.shape[0]] = torch.empty_like(row_BN)
         buffer_BN.copy_(row_BN)
-        self.staged, self.staged_batch = True, row_BN.shape[0]
+        self.staged_batch = row_BN.shape[0]
 
     def clear(self) -> None:
         """Forget this forward's outputs (a banked layer called now raises) and its staged row."""
         for banked in self.banked:
             banked.value = None
-        self.staged = False
+        self.staged_batch = None
 
     def extra_repr(self) -> str:
         return f"layers={len(self.sizes)}, out_features={sum(self.sizes)}, in_features={self.weight.shape[1]}"
