@@ -78,6 +78,7 @@ def test_compiled_blocks_match_diffusers(diffusers_pipe, tmp_path, monkeypatch):
     blocks = [*family.pipe.transformer.transformer_blocks, *family.pipe.transformer.single_transformer_blocks]
     assert all(block._compiled_call_impl is not None for block in blocks)
     assert family.pipe.vae.decoder._compiled_call_impl is not None
+    assert family.pipe.transformer.pos_embed._compiled_call_impl is not None  # the rotary tables, fused
     assert (_image(family) - _image(family, diffusers_pipe)).abs().max().item() <= 1e-4
 
 

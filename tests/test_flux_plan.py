@@ -51,13 +51,26 @@ def _latents(pipe, prompts=("a lighthouse at dusk", "a red kite")) -> torch.Tens
         ).images
 
 
+def _embeddings(pipe) -> list[int]:
+    """The row counts of every timestep embedding ``pipe``'s ``time_text_embed`` computes from now on."""
+    rows = []
+    embedder = pipe.transformer.time_text_embed.timestep_embedder
+    handle = embedder.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    return rows, handle
+
+
 def test_a_planned_loop_equals_the_per_step_one_with_one_product(pipes, monkeypatch):
     planned, per_step = pipes
     shapes, reference_shapes = _products(planned, monkeypatch), _products(per_step, monkeypatch)
+    (embedded, handle), (reference_embedded, reference_handle) = _embeddings(planned), _embeddings(per_step)
     got, want = _latents(planned), _latents(per_step)
+    handle.remove()
+    reference_handle.remove()
     width = planned.transformer.inner_dim
     assert reference_shapes == [(2, width)] * STEPS
     assert shapes == [(STEPS, 2, width)]  # the loop's every step at once, no per-step product
+    assert reference_embedded == [2] * STEPS
+    assert embedded == [STEPS * 2]  # the plan's; a staged step does not embed its timestep again
     assert planned.transformer.modulation_bank.plan_SBN is None  # dropped after the last step
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert not torch.equal(got, _latents(per_step, prompts=("a red kite", "a lighthouse at dusk")))

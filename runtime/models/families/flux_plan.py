@@ -21,7 +21,9 @@ makes, with other pooled embeddings) computes its product as before. A plan larg
 ``PLAN_MAX_BYTES`` is not made; a plan is dropped once its last step is staged.
 
 A step's row equals the product that step computes up to the rounding of one product with more
-rows (``tests/test_flux_plan.py``).
+rows (``tests/test_flux_plan.py``). In a staged forward every consumer of ``temb`` is a banked layer
+that reads the staged row, so ``time_text_embed`` is not run there (about twenty kernels a step): it
+returns a placeholder of ``temb``'s shape that nothing reads.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class ModulationPlanner:
         self.transformer, self.scheduler, self.bank = transformer, scheduler, bank
         self.loop: tuple | None = None  # (timesteps, pooled, guidance, batch) of the planned loop
         self.warned = False
+        self.embed = transformer.time_text_embed.forward  # the module's own (install() replaces it)
+
+    def embed_unless_staged(self, timestep: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """``time_text_embed``'s forward, except in a staged forward (see the module doc): there a
+        placeholder of ``temb``'s shape and dtype (the pooled embedding's, the last argument)."""
+        if self.bank.staged:
+            return rest[-1].new_empty(timestep.shape[0], self.bank.weight.shape[1])
+        return self.embed(timestep, *rest)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         step = self.scheduler.step_index
@@ -86,7 +96,7 @@ class ModulationPlanner:
                 self.warned = True
             return
         dtype = self.transformer.x_embedder.weight.dtype  # the forward's: its embedded tokens'
-        embed = self.transformer.time_text_embed.forward  # not __call__: the bank's hook would run on it
+        embed = self.embed  # not __call__: the bank's hook would run on it
         t_N = t_SB.to(dtype).flatten() * 1000
         pooled_NP = pooled.repeat(steps, 1)
         guidance = kwargs.get("guidance")
@@ -106,4 +116,5 @@ def install(transformer: torch.nn.Module, scheduler: Any) -> ModulationPlanner |
         return None
     planner = ModulationPlanner(transformer, scheduler, bank)
     transformer.register_forward_pre_hook(planner, with_kwargs=True)
+    transformer.time_text_embed.forward = planner.embed_unless_staged
     return planner
