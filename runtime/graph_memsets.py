@@ -4,11 +4,11 @@ cuDNN's attention and some of cuBLASLt's GEMM kernels clear a few bytes of their
 ``cudaMemsetAsync`` before they run, so a captured FLUX step holds three memset nodes per block
 (171 at 512², batch 1). In a graph replay a kernel follows a kernel after about 0.3 µs, but a
 memset between two kernels costs about 6 µs: 1.5 µs before it, 1 µs for itself, 3-4 µs before the
-next kernel (an H200 profile of the graphed step: about 1 ms of a 36.8 ms step). NVIDIA's own
-libraries hit the same gap and moved such clears into kernels; here the graph is edited after the
-capture instead: each small memset node is replaced by a node of a fill kernel with the same
-destination, value, element size, width, height and pitch, and the same dependencies, so the
-graph computes what it captured.
+next kernel (an H200 profile of the graphed step: about 1 ms of a 36.8 ms step). TensorRT-LLM
+and Transformer Engine met the same gap and moved such clears into their kernels; here the graph
+is edited after the capture instead: each small memset node is replaced by a node of a fill
+kernel with the same destination, value, element size, width, height and pitch, and the same
+dependencies, so the graph computes what it captured.
 
 The fill kernel is a few lines of PTX the driver compiles for the GPU at hand (no compiler
 needed); the graph is edited through the CUDA driver API (``libcuda``, by ctypes, with the
