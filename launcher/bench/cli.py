@@ -263,7 +263,11 @@ def step(
     ] = 0,
     profile: Annotated[
         Optional[Path],
-        typer.Option("--profile", help="Also profile one tilecast step per batch size; tables into this folder."),
+        typer.Option(
+            "--profile",
+            help="Also profile one tilecast step (loop) per batch size; tables into this folder, on CUDA "
+            "the trace too and, with --loop-steps, the loop's GPU timeline step by step.",
+        ),
     ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out")] = None,
 ) -> None:

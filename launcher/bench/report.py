@@ -146,10 +146,18 @@ def time_repeated(
     return Timing(warmup_s=warmup_s, total_s=time.perf_counter() - began, calls_s=(), num_calls=repeats, result=result)
 
 
-def profile_call(call: Callable[[], Any], path: Path, *, device: "torch.device | str", row_limit: int = 60) -> Path:
+def profile_call(
+    call: Callable[[], Any],
+    path: Path,
+    *,
+    device: "torch.device | str",
+    row_limit: int = 60,
+    trace_path: Path | None = None,
+) -> Path:
     """Run ``call`` once under ``torch.profiler`` and write its operators, kernels and named ranges
     (``record_function``, e.g. the K-VAE decoder's levels) to ``path`` as a table, sorted by total
-    device time on a CUDA device, by CPU time elsewhere. Returns ``path``."""
+    device time on a CUDA device, by CPU time elsewhere; with ``trace_path``, the Chrome trace
+    there too (``bench.timeline`` reads it). Returns ``path``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -162,6 +170,8 @@ def profile_call(call: Callable[[], Any], path: Path, *, device: "torch.device |
     sort_by = "device_time_total" if on_cuda else "cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=90))
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
     return path
 
 

@@ -21,12 +21,14 @@ reference's largest magnitude).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tilecast.launcher.bench import timeline
 from tilecast.launcher.bench.report import max_rel_diff, profile_call, psnr_db, ratio, time_repeated
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
@@ -102,6 +104,26 @@ def count_flops(transformer, inputs: dict) -> int:
     return counter.get_total_flops()
 
 
+def write_profile(step, folder: Path, batch: int, transformer, loop_steps: int, device: str) -> None:
+    """``step_b<batch>.txt``: the profiler's table of one ``step`` (a loop with ``loop_steps``); on
+    CUDA also its Chrome trace (``step_b<batch>.json``) and, for a loop, its timeline cut into the
+    loop's steps at the attention kernel (``timeline_b<batch>.txt``, ``bench.timeline``)."""
+    on_cuda = torch.device(device).type == "cuda"
+    trace = folder / f"step_b{batch}.json" if on_cuda else None
+    profile_call(step, folder / f"step_b{batch}.txt", device=device, trace_path=trace)
+    if trace is None or loop_steps < 2:
+        return
+    ops = timeline.gpu_operations(json.loads(trace.read_text()))
+    layers = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)  # an attention each
+    marker = timeline.periodic_name(ops, per_period=layers, periods=loop_steps)
+    lines = (
+        timeline.summarize(ops, marker=marker, marks_per_period=layers)
+        if marker is not None
+        else [f"no kernel ran {layers} times in each of the {loop_steps} steps: no timeline"]
+    )
+    (folder / f"timeline_b{batch}.txt").write_text("\n".join(lines) + "\n")
+
+
 def run_step_bench(
     model_path: str,
     *,
@@ -121,7 +143,7 @@ def run_step_bench(
 ) -> list[dict[str, Any]]:
     """One row per batch size (see the module doc). ``ValueError`` names a bad argument. With
     ``profile_dir``, one more tilecast step (with ``loop_steps``, loop) per batch size runs under
-    the profiler after its timing (``step_b<batch>.txt``)."""
+    the profiler after its timing (``write_profile``)."""
     family = resolve_pipeline(model_path)
     if not issubclass(family, FluxT2IPipeline):
         raise ValueError(
@@ -179,7 +201,7 @@ def run_step_bench(
             warmup_s, ms, out = timed(inputs[row["batch"]])
             if profile_dir is not None:
                 step = functools.partial(timed, inputs[row["batch"]], warmup=0, iters=1)
-                profile_call(step, Path(profile_dir) / f"step_b{row['batch']}.txt", device=device)
+                write_profile(step, Path(profile_dir), row["batch"], pipe.transformer, loop_steps, device)
             reference = row.pop("reference").float()
             row.update(
                 tilecast_ms=ms,
