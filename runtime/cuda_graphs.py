@@ -89,8 +89,9 @@ class _Captured:
             self.graph, editable = torch.cuda.CUDAGraph(), False
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = forward(*self.args, **self.kwargs)
-        self.memsets_replaced = graph_memsets.convert(self.graph.raw_cuda_graph()) if editable else 0
+        self.memsets_replaced = 0
         if editable:
+            self.memsets_replaced = graph_memsets.convert(self.graph.raw_cuda_graph())
             self.graph.instantiate()
 
     def replay(self, args: tuple, kwargs: dict) -> Any:

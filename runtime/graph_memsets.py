@@ -178,6 +178,17 @@ def _replace(driver: _Driver, graph: ctypes.c_void_p, node: ctypes.c_void_p, mem
     driver.check("cuGraphDestroyNode", node)
 
 
+def _memset_nodes(driver: _Driver, graph: ctypes.c_void_p) -> list[ctypes.c_void_p]:
+    """``graph``'s memset nodes."""
+    found = []
+    for node in driver.nodes("cuGraphGetNodes", graph):
+        kind = ctypes.c_int()
+        driver.check("cuGraphNodeGetType", node, ctypes.byref(kind))
+        if kind.value == _MEMSET_NODE:
+            found.append(node)
+    return found
+
+
 def convert(raw_graph: int) -> int:
     """Replace the small memset nodes of the captured, not yet instantiated graph ``raw_graph``
     (``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``) by fill kernel nodes; returns how many."""
@@ -187,11 +198,7 @@ def convert(raw_graph: int) -> int:
     graph = ctypes.c_void_p(raw_graph)
     replaced = 0
     try:
-        for node in driver.nodes("cuGraphGetNodes", graph):
-            kind = ctypes.c_int()
-            driver.check("cuGraphNodeGetType", node, ctypes.byref(kind))
-            if kind.value != _MEMSET_NODE:
-                continue
+        for node in _memset_nodes(driver, graph):
             memset = _MemsetParams()
             driver.check("cuGraphMemsetNodeGetParams", node, ctypes.byref(memset))
             size = memset.elementSize * memset.width * memset.height
@@ -205,14 +212,9 @@ def convert(raw_graph: int) -> int:
     return replaced
 
 
-def count(raw_graph: int, node_type: int = _MEMSET_NODE) -> int:
-    """How many nodes of ``node_type`` (a ``CUgraphNodeType``; memsets by default) ``raw_graph`` holds."""
+def count(raw_graph: int) -> int:
+    """How many memset nodes ``raw_graph`` holds."""
     driver = _current_driver()
     if driver is None:
         raise RuntimeError("the CUDA driver's graph functions are not available here")
-    kinds = []
-    for node in driver.nodes("cuGraphGetNodes", ctypes.c_void_p(raw_graph)):
-        kind = ctypes.c_int()
-        driver.check("cuGraphNodeGetType", node, ctypes.byref(kind))
-        kinds.append(kind.value)
-    return kinds.count(node_type)
+    return len(_memset_nodes(driver, ctypes.c_void_p(raw_graph)))
