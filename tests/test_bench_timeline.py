@@ -2,7 +2,7 @@
 
 A synthetic Chrome trace of four steps, two attention kernels a step, with a memset and a GEMM
 between them at known times: the middle step's span, busy time and gaps, its operations by kind and
-by name (gaps before each), every step's length and what ran before the first attention are what
+by name (gaps before each), every step's length and busy time and what ran before the first attention are what
 the trace says; the attention kernel is found as the one name that runs twice in each of the four
 steps; CPU events are not GPU operations.
 """
@@ -46,6 +46,7 @@ def test_a_loop_is_cut_into_steps_with_their_gaps():
     assert rows["nvjet_gemm"] == ["1", "50.0", "4.0"] and rows["sdpa_fprop"] == ["2", "60.0", "93.0"]
     assert rows["(Device)"] == ["1", "1.0", "2.0"]
     assert "period lengths (ms): 0.20 0.21 0.22" in lines
+    assert "period busy (ms): 0.11 0.11 0.11" in lines  # the steps differ by their idle ends only
     assert "before the first mark: 0.01 ms, 1 operations" in lines
 
 

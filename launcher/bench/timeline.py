@@ -5,8 +5,9 @@ only shows on the timeline. ``gpu_operations`` takes the kernels, memsets and co
 the order the GPU ran them; ``summarize`` cuts them into periods at a marker kernel (FLUX: the
 attention kernel, ``marks_per_period`` of them a step; ``periodic_name`` finds it) and reports, as text lines: one middle
 period's span, busy time and gaps, its operations by kind, its heaviest operations (count, busy
-µs, µs of gaps before them, which add up to the period's gaps), every period's length (a GPU whose clock drops under sustained load
-shows here), and what ran before the first marker.
+µs, µs of gaps before them, which add up to the period's gaps), every period's length and busy
+time (a period longer by its busy time ran slower kernels: a GPU whose clock drops under sustained
+load; longer by its gaps: the GPU waited on the host), and what ran before the first marker.
 
 Times in the trace are microseconds. Imports no torch.
 """
@@ -67,6 +68,8 @@ def summarize(ops: list[dict[str, Any]], *, marker: str, marks_per_period: int, 
     for name, (count, busy_us, gap_us) in sorted(by_name.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
         lines.append(f"  {count:5d} {busy_us:10.1f} {gap_us:9.1f}  {name}")
     lengths = [(ops[b]["ts"] - ops[a]["ts"]) / 1e3 for a, b in zip(starts, starts[1:])]
+    busy_ms = [sum(op["dur"] for op in ops[a:b]) / 1e3 for a, b in zip(starts, starts[1:])]
     lines.append("period lengths (ms): " + " ".join(f"{length:.2f}" for length in lengths))
+    lines.append("period busy (ms): " + " ".join(f"{busy:.2f}" for busy in busy_ms))
     lines.append(f"before the first mark: {(ops[marks[0]]['ts'] - ops[0]['ts']) / 1e3:.2f} ms, {marks[0]} operations")
     return lines
