@@ -308,6 +308,8 @@ def step(
         "tilecast_warmup_s",
         "max_rel_diff",
         "psnr_db",
+        "diffusers_sm_mhz",
+        "tilecast_sm_mhz",
     ]
     _print_rows(
         rows,

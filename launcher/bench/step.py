@@ -15,7 +15,9 @@ shares between its steps (``flux_plan``'s modulation planned once per loop) incl
 Reported per batch size: milliseconds per step, per image-step, achieved TFLOP/s (FLOPs counted by
 PyTorch's ``FlopCounterMode`` on one step), tilecast / diffusers, and the two sides' outputs
 compared: the largest difference relative to the output's scale, and the PSNR (peak: the
-reference's largest magnitude).
+reference's largest magnitude). On a GPU with NVML (the ``bench`` extra) each side's row also
+carries the SM clock and power draw sampled while it was timed (``gpu_clock``): a card at its power
+limit runs the denser side at a lower clock.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tilecast.launcher.bench import timeline
+from tilecast.launcher.bench import gpu_clock, timeline
 from tilecast.launcher.bench.report import max_rel_diff, profile_call, psnr_db, ratio, time_repeated
 from tilecast.runtime.config import ServeConfig
 from tilecast.runtime.models.families.flux import FluxT2IPipeline
@@ -84,16 +86,30 @@ def denoising_loop(pipe, inputs: dict, *, steps: int, width: int, height: int) -
 
 
 def time_step(
-    pipe, inputs: dict, *, warmup: int, iters: int, loop_steps: int, width: int, height: int
+    pipe,
+    inputs: dict,
+    *,
+    warmup: int,
+    iters: int,
+    loop_steps: int,
+    width: int,
+    height: int,
+    clock: gpu_clock.ClockSampler | None = None,
 ) -> tuple[float, float, torch.Tensor]:
     """(seconds of warm-up, milliseconds per step, the output): ``iters`` transformer calls on
     ``inputs``, or with ``loop_steps`` ``iters`` loops, run back to back and synchronized once at
-    the end (a host-bound step is timed as it would run in the denoising loop)."""
+    the end (a host-bound step is timed as it would run in the denoising loop). ``clock`` samples
+    the GPU's clock and power from the warm-up's end to the timing's."""
     if loop_steps:
         call = functools.partial(denoising_loop, pipe, inputs, steps=loop_steps, width=width, height=height)
     else:
         call = lambda: pipe.transformer(**inputs)[0]  # noqa: E731
-    timing = time_repeated(call, repeats=iters, warmup=warmup, device=inputs["hidden_states"].device, each=False)
+    clock = clock or gpu_clock.ClockSampler(None)
+    device = inputs["hidden_states"].device
+    try:
+        timing = time_repeated(call, repeats=iters, warmup=warmup, device=device, each=False, after_warmup=clock.start)
+    finally:
+        clock.stop()
     return timing.warmup_s, timing.mean_s * 1e3 / max(loop_steps, 1), timing.result
 
 
@@ -163,6 +179,7 @@ def run_step_bench(
     timed = functools.partial(
         time_step, pipe, warmup=warmup, iters=iters, loop_steps=loop_steps, width=width, height=height
     )
+    clock_reader = gpu_clock.nvml_reader(device)
     with torch.inference_mode():
         inputs = {
             b: step_inputs(pipe, b, width=width, height=height, max_sequence_length=family.max_sequence_length)
@@ -170,7 +187,8 @@ def run_step_bench(
         }
         rows = []
         for batch in batch_sizes:
-            warmup_s, ms, out = timed(inputs[batch])
+            clock = gpu_clock.ClockSampler(clock_reader)
+            warmup_s, ms, out = timed(inputs[batch], clock=clock)
             rows.append(
                 dict(
                     model=model_path,
@@ -183,6 +201,7 @@ def run_step_bench(
                     diffusers_ms=ms,
                     diffusers_warmup_s=warmup_s,
                     reference=out,
+                    **clock.summary("diffusers_"),
                 )
             )
         family.install_fast_paths(
@@ -198,7 +217,9 @@ def run_step_bench(
             ),
         )
         for row in rows:
-            warmup_s, ms, out = timed(inputs[row["batch"]])
+            clock = gpu_clock.ClockSampler(clock_reader)
+            warmup_s, ms, out = timed(inputs[row["batch"]], clock=clock)
+            row.update(clock.summary("tilecast_"))
             if profile_dir is not None:
                 step = functools.partial(timed, inputs[row["batch"]], warmup=0, iters=1)
                 write_profile(step, Path(profile_dir), row["batch"], pipe.transformer, loop_steps, device)
