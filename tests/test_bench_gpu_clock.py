@@ -92,3 +92,31 @@ def test_bench_step_rows_carry_each_sides_clock_sampled_after_its_warmup(tiny_ca
     assert seen[:2] == [0, 0]  # nothing read during diffusers' warm-up
     assert seen[4] == seen[5] >= 1  # diffusers' sampler read and stopped; nothing read in tilecast's warm-up
     assert len(reader.samples) > seen[5]  # tilecast's sampler read during its timing
+
+
+def test_bench_k6sr_rows_carry_the_clock_of_their_timed_requests(monkeypatch):
+    """``bench k6sr``'s measurement of one side (GPU-only; its CUDA calls stood in for here): the
+    sampler starts after the warm-up request and its summary goes into the measurement."""
+    import types
+
+    import torch
+
+    from tilecast.launcher.bench import k6sr, report
+
+    reader, seen = CountingReader(), []
+    monkeypatch.setattr(k6sr.gpu_clock, "nvml_reader", lambda device: reader)
+    monkeypatch.setattr(report, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)
+    timer = types.SimpleNamespace(times={"dit": 0.0}, decoded=[], reset=lambda: None)
+
+    def request() -> torch.Tensor:
+        seen.append(len(reader.samples))
+        assert len(seen) == 1 or reader.read_once.wait(timeout=10)  # a timed request: the sampler reads
+        return torch.zeros(2)
+
+    measured = k6sr._measure("tilecast", "small", request, timer, repeats=2)
+    assert seen[0] == 0  # the warm-up request ran before the sampler started
+    assert set(measured.clock) == {"sm_mhz", "sm_mhz_min", "power_w"}
+    assert measured.clock["sm_mhz"] == pytest.approx(sum(s.sm_mhz for s in reader.samples) / len(reader.samples))

@@ -107,6 +107,7 @@ def k6sr(
         "psnr_vs_diffusers_db",
         *(["psnr_vs_default_db"] if default_too else []),
         *(["nabla_density"] if any("nabla_density" in row for row in rows) else []),
+        *(["sm_mhz", "power_w"] if any("sm_mhz" in row for row in rows) else []),
     ]
     _print_rows(rows, columns, "Kandinsky 6 SR x2, one H200-class GPU", json_out)
 

@@ -25,6 +25,8 @@ density.
 
 Stage times come from synchronized wrappers around the shared modules (VAE encode/decode,
 latent upscaler, DiT), identical for both sides; "other" is the rest of the end-to-end time.
+With NVML (the ``bench`` extra) each row also carries the GPU's mean SM clock and power over its
+side's timed requests (``sm_mhz``, ``sm_mhz_min``, ``power_w``; ``gpu_clock``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tilecast.launcher.bench import gpu_clock
 from tilecast.launcher.bench.report import profile_call, psnr_db, ratio, synchronize, time_repeated
 
 logger = logging.getLogger(__name__)
@@ -191,6 +194,8 @@ class Measurement:
     nabla_density: float | None = None
     decoded: tuple[tuple[int, ...], ...] = ()
     """The latent shapes the row's request decoded."""
+    clock: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The GPU's SM clock and power over the timed requests (``gpu_clock``; empty without NVML)."""
 
 
 def _measure(
@@ -220,18 +225,23 @@ def _measure(
         densities.append(nabla_density(transformer) if transformer is not None else None)
         return output
 
-    timing = time_repeated(
-        request,
-        repeats=repeats,
-        warmup=1,
-        device="cuda",
-        after_warmup=lambda: (
-            stage_runs.clear(),
-            densities.clear(),
-            decoded.clear(),
-            torch.cuda.reset_peak_memory_stats(),
-        ),
-    )
+    clock = gpu_clock.ClockSampler(gpu_clock.nvml_reader("cuda"))
+    try:
+        timing = time_repeated(
+            request,
+            repeats=repeats,
+            warmup=1,
+            device="cuda",
+            after_warmup=lambda: (
+                stage_runs.clear(),
+                densities.clear(),
+                decoded.clear(),
+                torch.cuda.reset_peak_memory_stats(),
+                clock.start(),
+            ),
+        )
+    finally:
+        clock.stop()
     best = timing.median_low_index
     stages = dict(stage_runs[best])
     stages["other"] = timing.calls_s[best] - sum(stages.values())
@@ -247,6 +257,7 @@ def _measure(
         output=timing.result.float().cpu(),
         nabla_density=densities[best],
         decoded=decoded[best],
+        clock=clock.summary(""),
     )
 
 
@@ -425,6 +436,7 @@ def bench_k6sr(
                 "vae_convs": "fp8" if opt_in and vae_fp8_convs else "bf16",
                 "dit_linears": (quantize if opt_in else None) or "bf16",
             }
+            row.update(m.clock)
             if m.nabla_density is not None:
                 row["nabla_density"] = m.nabla_density
             if side != "diffusers" and m.decoded and m.stages_s.get("decode"):
