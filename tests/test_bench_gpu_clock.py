@@ -4,7 +4,8 @@ A stand-in reader counts its calls and answers a known sequence: the sampler rea
 ``start`` and ``stop``, and its summary is the mean and least clock and the mean power of exactly
 what was read. Without a reader (a CPU, no ``pynvml``, NVML not answering) nothing is read and the
 summary is empty. ``bench step`` puts each side's summary in its row, sampled after the side's
-warm-up (the stand-in sees no call during it) and stopped when its timing ends.
+warm-up (the stand-in sees no call during it) and stopped when its timing ends; ``bench k6sr``'s
+measurement of a side does the same over its timed requests.
 """
 
 from __future__ import annotations
