@@ -14,6 +14,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from tilecast.launcher.bench import gpu_clock
 
@@ -121,3 +122,16 @@ def test_bench_k6sr_rows_carry_the_clock_of_their_timed_requests(monkeypatch):
     assert seen[0] == 0  # the warm-up request ran before the sampler started
     assert set(measured.clock) == {"sm_mhz", "sm_mhz_min", "power_w"}
     assert measured.clock["sm_mhz"] == pytest.approx(sum(s.sm_mhz for s in reader.samples) / len(reader.samples))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_attention_rows_carry_the_clock_of_their_timed_calls(monkeypatch):
+    from tilecast.launcher.bench import attention
+
+    reader = CountingReader()
+    monkeypatch.setattr(attention.gpu_clock, "nvml_reader", lambda device: reader)
+    rows = attention.bench_attention(seq_lens=(1024,), head_dims=(64,), iters=3)
+    timed = [row for row in rows if "ms" in row]
+    assert timed and all(row["sm_mhz"] > 0 and row["power_w"] >= 650 for row in timed)
+    assert len(reader.samples) >= len(timed)  # a sampler per backend's timing, each reading at least once

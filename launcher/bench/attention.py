@@ -3,6 +3,8 @@
 Sequence lengths are those of real Kandinsky 6 SR tiles (13,824 tokens for the small workload,
 47,616 for the large); head dim 64 (the model's) and 128 at the same model width (1792). Every
 backend returns the log-sum-exp that Ring needs. FLOPs: 4 * S^2 * D per head (QK^T and PV).
+With NVML (the ``bench`` extra) each row also carries the GPU's mean SM clock and power while its
+backend was timed (``sm_mhz``, ``sm_mhz_min``, ``power_w``; ``gpu_clock``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 
 from tilecast.kernels.attention import attention
 from tilecast.kernels.backends import available_backends, resolve_backend
+from tilecast.launcher.bench import gpu_clock
 from tilecast.launcher.bench.report import psnr_db, time_repeated
 
 H200_DENSE_BF16_TFLOPS = 989.0
@@ -40,9 +43,17 @@ def runner(backend: str):
     return lambda q, k, v: attention(q, k, v, backend=backend)
 
 
-def time_call(fn, q, k, v, *, iters: int = 10) -> float:
-    """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events)."""
-    return time_repeated(lambda: fn(q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True).median_s
+def time_call(fn, q, k, v, *, iters: int = 10, clock: gpu_clock.ClockSampler | None = None) -> float:
+    """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events);
+    ``clock`` samples the GPU's clock and power during the timed calls."""
+    clock = clock or gpu_clock.ClockSampler(None)
+    try:
+        timing = time_repeated(
+            lambda: fn(q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True, after_warmup=clock.start
+        )
+    finally:
+        clock.stop()
+    return timing.median_s
 
 
 def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=None, iters: int = 10) -> list[dict]:
@@ -58,16 +69,19 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
         available = available_backends(device, torch.bfloat16)
         runners = {name: runner(name) for name in available if name != "sdpa_math"}
     default_fn = runners.get(default) or runner(default)
+    reader = gpu_clock.nvml_reader(device)
     rows = []
     for head_dim in head_dims:
         for seq_len in seq_lens:
             q, k, v = _inputs(seq_len, head_dim)
             flops = 4 * seq_len * seq_len * head_dim * q.shape[2]
             reference = default_fn(q, k, v)[0]
-            default_s = time_call(default_fn, q, k, v, iters=iters)
+            default_clock = gpu_clock.ClockSampler(reader)
+            default_s = time_call(default_fn, q, k, v, iters=iters, clock=default_clock)
             for name, fn in runners.items():
+                clock = default_clock if name == default else gpu_clock.ClockSampler(reader)
                 try:
-                    seconds = default_s if name == default else time_call(fn, q, k, v, iters=iters)
+                    seconds = default_s if name == default else time_call(fn, q, k, v, iters=iters, clock=clock)
                     out = reference if name == default else fn(q, k, v)[0]
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is reported
                     rows.append({"backend": name, "head_dim": head_dim, "seq_len": seq_len, "error": str(exc)[:120]})
@@ -83,6 +97,7 @@ def bench_attention(seq_lens=(13_824, 47_616), head_dims=(64, 128), backends=Non
                         "of_peak": tflops / H200_DENSE_BF16_TFLOPS,
                         "x_default": default_s / seconds,
                         "psnr_vs_default": psnr_db(out, reference),
+                        **clock.summary(""),
                     }
                 )
             del q, k, v, reference

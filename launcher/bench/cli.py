@@ -139,7 +139,18 @@ def attention(
         raise typer.BadParameter(str(exc)) from exc
     print_table(
         rows,
-        ["backend", "head_dim", "seq_len", "ms", "tflops", "of_peak", "x_default", "psnr_vs_default", "error"],
+        [
+            "backend",
+            "head_dim",
+            "seq_len",
+            "ms",
+            "tflops",
+            "of_peak",
+            "x_default",
+            "psnr_vs_default",
+            "sm_mhz",
+            "error",
+        ],
         f"attention forward, bf16 inputs (dense-equivalent TFLOP/s; peak {H200_DENSE_BF16_TFLOPS:.0f})",
         headers=[
             "backend",
@@ -150,6 +161,7 @@ def attention(
             f"of {H200_DENSE_BF16_TFLOPS:.0f} peak",
             "x default",
             "PSNR vs default (dB)",
+            "SM MHz",
             "note",
         ],
     )
