@@ -5,7 +5,8 @@ A stand-in reader counts its calls and answers a known sequence: the sampler rea
 what was read. Without a reader (a CPU, no ``pynvml``, NVML not answering) nothing is read and the
 summary is empty. ``bench step`` puts each side's summary in its row, sampled after the side's
 warm-up (the stand-in sees no call during it) and stopped when its timing ends; ``bench k6sr``'s
-measurement of a side does the same over its timed requests.
+measurement of a side does the same over its timed requests, and ``bench attention``'s rows over
+each backend's timed calls (on a GPU).
 """
 
 from __future__ import annotations
@@ -100,8 +101,6 @@ def test_bench_k6sr_rows_carry_the_clock_of_their_timed_requests(monkeypatch):
     """``bench k6sr``'s measurement of one side (GPU-only; its CUDA calls stood in for here): the
     sampler starts after the warm-up request and its summary goes into the measurement."""
     import types
-
-    import torch
 
     from tilecast.launcher.bench import k6sr, report
 
