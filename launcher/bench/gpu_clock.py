@@ -6,7 +6,10 @@ tilecast's graphed loop at 1395-1650 MHz, both near the card's 700 W. ``ClockSam
 reader every ``interval_s`` on a thread between ``start`` and ``stop`` and summarizes what it read.
 ``nvml_reader`` reads ``torch.cuda.clock_rate`` and ``torch.cuda.power_draw`` (NVML through
 ``pynvml``, the ``bench`` extra); without ``pynvml``, on a CPU, or where NVML does not answer there
-is no reader and the sampler reads nothing (``summary()`` is empty).
+is no reader and the sampler reads nothing (``summary()`` is empty). NVML averages each reading over
+1/6 s to 1 s, so ten readings a second lose nothing; one reading took 24-26 µs of a host thread on
+an H100 machine, 0.03% of the host's time at that rate, which a host-bound side (diffusers' eager
+loop) does not feel.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def nvml_reader(device: "torch.device | str") -> Optional[Callable[[], Sample]]:
 class ClockSampler:
     """Samples of ``read`` taken every ``interval_s`` from ``start`` to ``stop`` (no reader: none)."""
 
-    def __init__(self, read: Optional[Callable[[], Sample]], *, interval_s: float = 0.05) -> None:
+    def __init__(self, read: Optional[Callable[[], Sample]], *, interval_s: float = 0.1) -> None:
         self._read, self._interval_s = read, interval_s
         self._samples: list[Sample] = []
         self._stopping = threading.Event()
