@@ -39,6 +39,32 @@ def test_time_repeated_as_one_loop_reports_the_mean():
         _ = timing.median_low_index
 
 
+@pytest.mark.parametrize("each", [True, False])
+def test_time_repeated_runs_during_only_around_the_timed_calls_even_when_one_raises(each):
+    events = []
+
+    class During:
+        def start(self):
+            events.append("start")
+
+        def stop(self):
+            events.append("stop")
+
+    report.time_repeated(lambda: events.append("call"), repeats=2, warmup=1, each=each, during=During())
+    assert events == ["call", "start", "call", "call", "stop"]
+    events.clear()
+    calls = iter([None, ValueError("the second timed call fails")])
+
+    def failing():
+        events.append("call")
+        if isinstance(outcome := next(calls, None), Exception):
+            raise outcome
+
+    with pytest.raises(ValueError, match="second timed call"):
+        report.time_repeated(failing, repeats=2, warmup=0, each=each, during=During())
+    assert events == ["start", "call", "call", "stop"]
+
+
 def test_time_calls_times_different_calls_in_order():
     seen = []
     timing = report.time_calls([lambda i=i: seen.append(i) or i for i in range(3)], device=torch.device("cpu"))

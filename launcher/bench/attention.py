@@ -46,13 +46,7 @@ def runner(backend: str):
 def time_call(fn, q, k, v, *, iters: int = 10, clock: gpu_clock.ClockSampler | None = None) -> float:
     """Median seconds of one forward call (two warm-up calls; GPU time between CUDA events);
     ``clock`` samples the GPU's clock and power during the timed calls."""
-    clock = clock or gpu_clock.ClockSampler(None)
-    try:
-        timing = time_repeated(
-            lambda: fn(q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True, after_warmup=clock.start
-        )
-    finally:
-        clock.stop()
+    timing = time_repeated(lambda: fn(q, k, v), repeats=iters, warmup=2, device="cuda", cuda_events=True, during=clock)
     return timing.median_s
 
 

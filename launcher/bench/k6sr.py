@@ -226,22 +226,19 @@ def _measure(
         return output
 
     clock = gpu_clock.ClockSampler(gpu_clock.nvml_reader("cuda"))
-    try:
-        timing = time_repeated(
-            request,
-            repeats=repeats,
-            warmup=1,
-            device="cuda",
-            after_warmup=lambda: (
-                stage_runs.clear(),
-                densities.clear(),
-                decoded.clear(),
-                torch.cuda.reset_peak_memory_stats(),
-                clock.start(),
-            ),
-        )
-    finally:
-        clock.stop()
+    timing = time_repeated(
+        request,
+        repeats=repeats,
+        warmup=1,
+        device="cuda",
+        after_warmup=lambda: (
+            stage_runs.clear(),
+            densities.clear(),
+            decoded.clear(),
+            torch.cuda.reset_peak_memory_stats(),
+        ),
+        during=clock,
+    )
     best = timing.median_low_index
     stages = dict(stage_runs[best])
     stages["other"] = timing.calls_s[best] - sum(stages.values())

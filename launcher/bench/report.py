@@ -119,11 +119,13 @@ def time_repeated(
     each: bool = True,
     cuda_events: bool = False,
     after_warmup: Optional[Callable[[], None]] = None,
+    during: Any = None,
 ) -> Timing:
     """``warmup`` untimed calls, then ``repeats`` timed ones. ``each``: each call timed on its own
     (``Timing.calls_s``); otherwise the loop runs unsynchronized and is timed as a whole (what a
     host-bound step measures best). ``after_warmup`` runs between the two (e.g. resetting peak
-    memory counters)."""
+    memory counters). ``during`` (``start()`` / ``stop()``, e.g. ``gpu_clock.ClockSampler``) is
+    started after the warm-up and stopped when the timed calls end, whether or not they raise."""
     for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -135,15 +137,22 @@ def time_repeated(
     warmup_s = time.perf_counter() - began
     if after_warmup is not None:
         after_warmup()
-    if each:
-        timing = time_calls([call] * repeats, device=device, cuda_events=cuda_events)
-        return dataclasses.replace(timing, warmup_s=warmup_s)
-    result = None
-    began = time.perf_counter()
-    for _ in range(repeats):
-        result = call()
-    synchronize(device)
-    return Timing(warmup_s=warmup_s, total_s=time.perf_counter() - began, calls_s=(), num_calls=repeats, result=result)
+    if during is not None:
+        during.start()
+    try:
+        if each:
+            timing = time_calls([call] * repeats, device=device, cuda_events=cuda_events)
+            return dataclasses.replace(timing, warmup_s=warmup_s)
+        result = None
+        began = time.perf_counter()
+        for _ in range(repeats):
+            result = call()
+        synchronize(device)
+        total_s = time.perf_counter() - began
+    finally:
+        if during is not None:
+            during.stop()
+    return Timing(warmup_s=warmup_s, total_s=total_s, calls_s=(), num_calls=repeats, result=result)
 
 
 def profile_call(

@@ -104,12 +104,8 @@ def time_step(
         call = functools.partial(denoising_loop, pipe, inputs, steps=loop_steps, width=width, height=height)
     else:
         call = lambda: pipe.transformer(**inputs)[0]  # noqa: E731
-    clock = clock or gpu_clock.ClockSampler(None)
     device = inputs["hidden_states"].device
-    try:
-        timing = time_repeated(call, repeats=iters, warmup=warmup, device=device, each=False, after_warmup=clock.start)
-    finally:
-        clock.stop()
+    timing = time_repeated(call, repeats=iters, warmup=warmup, device=device, each=False, during=clock)
     return timing.warmup_s, timing.mean_s * 1e3 / max(loop_steps, 1), timing.result
 
 
