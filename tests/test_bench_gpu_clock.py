@@ -5,8 +5,8 @@ A stand-in reader counts its calls and answers a known sequence: the sampler rea
 what was read. Without a reader (a CPU, no ``pynvml``, NVML not answering) nothing is read and the
 summary is empty. ``bench step`` puts each side's summary in its row, sampled after the side's
 warm-up (the stand-in sees no call during it) and stopped when its timing ends; ``bench k6sr``'s
-measurement of a side does the same over its timed requests, and ``bench attention``'s rows over
-each backend's timed calls (on a GPU).
+measurement of a side does the same over its timed requests, the convolution benches' whole-tile
+decodes over theirs, and ``bench attention``'s rows over each backend's timed calls (on a GPU).
 """
 
 from __future__ import annotations
@@ -121,6 +121,30 @@ def test_bench_k6sr_rows_carry_the_clock_of_their_timed_requests(monkeypatch):
     assert seen[0] == 0  # the warm-up request ran before the sampler started
     assert set(measured.clock) == {"sm_mhz", "sm_mhz_min", "power_w"}
     assert measured.clock["sm_mhz"] == pytest.approx(sum(s.sm_mhz for s in reader.samples) / len(reader.samples))
+
+
+def test_bench_conv_decode_rows_carry_the_clock_of_their_timed_decodes(monkeypatch):
+    """``bench fp8-conv --decode`` / ``narrow-conv --decode`` time each whole-tile decode with
+    ``time_decode`` (GPU-only; its CUDA calls stood in for here): the sampler starts after the
+    warm-up decode and its summary comes back with the time."""
+    from tilecast.launcher.bench import narrow_conv, report
+
+    reader, seen = CountingReader(), []
+    monkeypatch.setattr(narrow_conv.gpu_clock, "nvml_reader", lambda device: reader)
+    monkeypatch.setattr(report, "synchronize", lambda device=None: None)
+
+    def decode() -> None:
+        seen.append(len(reader.samples))
+        assert len(seen) == 1 or reader.read_once.wait(timeout=10)  # a timed decode: the sampler reads
+
+    ms, clock = narrow_conv.time_decode(decode, iters=2)
+    assert seen[0] == 0 and len(seen) == 3 and ms > 0  # the warm-up decode ran before the sampler started
+    taken = len(reader.samples)
+    assert clock == {
+        "sm_mhz": pytest.approx(sum(s.sm_mhz for s in reader.samples) / taken),
+        "sm_mhz_min": min(s.sm_mhz for s in reader.samples),
+        "power_w": pytest.approx(sum(s.power_w for s in reader.samples) / taken),
+    }
 
 
 @pytest.mark.cuda

@@ -186,7 +186,7 @@ def _conv_bench(run, columns: list[str], title: str, json_out: Optional[Path]) -
         rows = run()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    _print_rows(rows, [*columns, "error"], title, json_out)
+    _print_rows(rows, [*columns, "sm_mhz", "power_w", "error"], title, json_out)
 
 
 @bench_app.command("fp8-conv")

@@ -11,7 +11,8 @@ convolution without TF32 (so rounding differences show as they are).
 the released K-VAE with seeded random weights) with ``ChannelsLastDecoder`` on cuDNN alone
 (``narrow_convs=False``) and with the Triton kernels (``narrow_convs=True``, its default on CUDA),
 each in bf16; their PSNR is the first decoder segment's against diffusers' float32 decode (cuDNN
-without TF32). ``profile_dir`` adds each decode's profile, per decoder level.
+without TF32), and each row carries the GPU's clock and power while it was timed (``sm_mhz``,
+``sm_mhz_min``, ``power_w``: a decode runs at the card's power limit). ``profile_dir`` adds each decode's profile, per decoder level.
 
 A third candidate, ``cudnn-s2d``: the same convolution on the level computed space-to-depth, every
 2x2 block of pixels one pixel with four times the channels (``space_to_depth``). A 3x3 kernel on the
@@ -26,9 +27,11 @@ from __future__ import annotations
 import functools
 import itertools
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+from tilecast.launcher.bench import gpu_clock
 from tilecast.launcher.bench.report import profile_call, psnr_db, time_repeated
 
 LAYERS = {"256->16": (256, 16), "16->16": (16, 16), "16->3": (16, 3)}
@@ -94,14 +97,24 @@ def decode_rows(variants: dict[str, dict], iters: int, profile_dir: Path | None)
     rows = []
     for name, options in variants.items():
         decoder = ChannelsLastDecoder(vae, **options)
-        timing = time_repeated(functools.partial(decoder.decode, z), repeats=iters, warmup=1, device="cuda")
-        ms = timing.median_s * 1e3
+        ms, clock = time_decode(functools.partial(decoder.decode, z), iters)
         cudnn_ms = rows[0]["ms"] if rows else ms
         out = decoder.decode(z[:, :, :first_segment])
-        rows.append(layer_row("large tile decode", name, ms, cudnn_ms, None, out, exact))
+        rows.append({**layer_row("large tile decode", name, ms, cudnn_ms, None, out, exact), **clock})
         if profile_dir is not None:
             profile_call(functools.partial(decoder.decode, z), profile_dir / f"decode-{name}.txt", device="cuda")
     return rows
+
+
+def time_decode(decode: Callable[[], Any], iters: int) -> tuple[float, dict[str, float]]:
+    """``(ms, clock)``: the median milliseconds of ``decode()`` over ``iters`` timed calls after one
+    warm-up, and the GPU's SM clock and power while they ran (``gpu_clock``; empty where NVML does
+    not answer). A whole-tile decode holds the card at its power limit: on an H100 (2026-12-07) two
+    large tiles back to back ran at 1437 MHz mean and 696 W, where one convolution timed alone runs
+    near 1980 MHz."""
+    clock = gpu_clock.ClockSampler(gpu_clock.nvml_reader("cuda"))
+    timing = time_repeated(decode, repeats=iters, warmup=1, device="cuda", during=clock)
+    return timing.median_s * 1e3, clock.summary("")
 
 
 def cudnn_case(layer: str, in_channels: int, out_channels: int, size, iters: int, gen):
