@@ -12,7 +12,8 @@ the released K-VAE with seeded random weights) with ``ChannelsLastDecoder`` on c
 (``narrow_convs=False``) and with the Triton kernels (``narrow_convs=True``, its default on CUDA),
 each in bf16; their PSNR is the first decoder segment's against diffusers' float32 decode (cuDNN
 without TF32), and each row carries the GPU's clock and power while it was timed (``sm_mhz``,
-``sm_mhz_min``, ``power_w``: a decode runs at the card's power limit). ``profile_dir`` adds each decode's profile, per decoder level.
+``sm_mhz_min``, ``power_w``: a decode runs at the card's power limit). ``profile_dir`` adds each
+decode's profile, per decoder level.
 
 A third candidate, ``cudnn-s2d``: the same convolution on the level computed space-to-depth, every
 2x2 block of pixels one pixel with four times the channels (``space_to_depth``). A 3x3 kernel on the
