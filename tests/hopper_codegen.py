@@ -9,7 +9,12 @@ flight: ``{"<in_channels> <tiling>": {op: count, "in_flight": n}}``. Run without
 bf16 and e4m3, phase interleave, frame repeat, bias add) in sm_90 SASS, disassembled with the
 ``nvdisasm`` Triton ships, as ``{"<kernel> <channels>": {"per_value": instructions per value a
 thread computes, "calls": subroutine calls}}`` (a 64-bit division per pixel compiles to a call;
-``tests/test_triton_kernels.py``)."""
+``tests/test_triton_kernels.py``).
+
+``python tests/hopper_codegen.py attention``: ``kernels/fp8_attention.py``'s attention kernel at head
+dim 64 and 128 (default tiling) in sm_90 SASS, as ``{"fp8 <head dim>": {"per_score": instructions per
+score in its key loop, "ops": the commonest opcodes per score, "stack": its stack frame in bytes}}``
+(``tests/test_fp8_attention.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -57,18 +63,73 @@ def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:
     return compiled.asm["ttgir"]
 
 
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+"""An instruction line of ``nvdisasm -c``: its opcode (without modifiers, after any predicate)."""
+
+
+def cubin_tool(tool: str, option: str, cubin: bytes) -> str:
+    """What Triton's own ``tool`` (``nvdisasm``, ``cuobjdump``) prints for ``cubin`` with ``option``."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([path, option, file.name], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(cubin: bytes) -> str:
+    """``nvdisasm -c`` of ``cubin``."""
+    return cubin_tool("nvdisasm", "-c", cubin)
+
+
 def hopper_sass(kernel, types: dict[str, str], constants: dict, num_warps: int) -> list[str]:
     """``hopper_compile`` of ``kernel`` (pointers and ``channels`` / ``frame_size`` aligned), disassembled:
     one opcode per instruction."""
     aligned = [name for name in kernel.arg_names if name.endswith("_ptr") or name in ("channels", "frame_size")]
-    cubin = hopper_compile(kernel, types, constants, aligned, num_warps=num_warps).asm["cubin"]
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
-        file.write(cubin)
-        file.flush()
-        listing = subprocess.run([nvdisasm, "-c", file.name], capture_output=True, text=True, check=True).stdout
-    instruction = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
-    return [match.group(1) for line in listing.splitlines() if (match := instruction.match(line))]
+    listing = disassemble(hopper_compile(kernel, types, constants, aligned, num_warps=num_warps).asm["cubin"])
+    return [match.group(1) for line in listing.splitlines() if (match := INSTRUCTION.match(line))]
+
+
+def largest_loop(listing: str) -> list[str]:
+    """The opcodes of the longest loop in an ``nvdisasm -c`` listing: from a label to the last branch
+    back to it."""
+    ops, labels, longest = [], {}, []
+    for line in listing.splitlines():
+        if label := re.match(r"^\s*(\.L_x_\d+):", line):
+            labels[label.group(1)] = len(ops)
+        elif match := INSTRUCTION.match(line):
+            ops.append(match.group(1))
+            target = re.search(r"(\.L_x_\d+)", line) if match.group(1) == "BRA" else None
+            if target and target.group(1) in labels and len(ops) - labels[target.group(1)] > len(longest):
+                longest = ops[labels[target.group(1)] :]
+    return longest
+
+
+def fp8_attention_sass(head_dim: int) -> dict:
+    """``kernels/fp8_attention.py``'s attention kernel at ``head_dim`` and its default tiling, in sm_90
+    SASS: its key loop's instructions per score a thread computes (``per_score``), the five commonest
+    opcodes' share of that, and the stack frame in bytes (spilled registers)."""
+    from tilecast.kernels import fp8_attention, fp8_attention_triton
+
+    config = fp8_attention.default_config(head_dim)
+    dp = fp8_attention.padded_head_dim(head_dim)
+    kernel = fp8_attention_triton.attend
+    types = {"q_ptr": "*i8", "k_ptr": "*i8", "vt_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
+    types |= {name: "*fp32" for name in ("qs_ptr", "ks_ptr", "vs_ptr", "lse_ptr")}
+    constants = dict(head_dim=head_dim, DP=dp, QUANT=fp8_attention.QUANT_BLOCK)
+    constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    aligned = [name for name in kernel.arg_names if name.endswith("_ptr") or name.startswith(("stride", "padded"))]
+    compiled = hopper_compile(
+        kernel, types, constants, aligned, num_warps=config.num_warps, num_stages=config.num_stages
+    )
+    loop = largest_loop(disassemble(compiled.asm["cubin"]))
+    scores = config.block_m * config.block_n / (32 * config.num_warps)  # per thread and key block
+    common = Counter(loop).most_common(5)
+    stack = re.search(r"STACK:(\d+)", cubin_tool("cuobjdump", "-res-usage", compiled.asm["cubin"]))
+    return {
+        "per_score": round(len(loop) / scores, 2),
+        "ops": {op: round(count / scores, 2) for op, count in common},
+        "stack": int(stack.group(1)) if stack else None,
+    }
 
 
 def row_kernel_sass(channels: int) -> dict[str, dict[str, float]]:
@@ -106,7 +167,9 @@ def row_kernel_sass(channels: int) -> dict[str, dict[str, float]]:
     return counts
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["rows"]:
+if __name__ == "__main__" and sys.argv[1:] == ["attention"]:
+    print(json.dumps({f"fp8 {head_dim}": fp8_attention_sass(head_dim) for head_dim in (64, 128)}))
+elif __name__ == "__main__" and sys.argv[1:] == ["rows"]:
     print(json.dumps({key: value for channels in (16, 256, 2048) for key, value in row_kernel_sass(channels).items()}))
 elif __name__ == "__main__":
     counts = {}
