@@ -257,7 +257,7 @@ def test_fp8_key_loop_stays_within_its_instruction_budget():
     assert set(counts) == set(KEY_LOOP_BUDGET), counts
     for key, count in counts.items():
         assert count["per_score"] <= KEY_LOOP_BUDGET[key], (key, count)
-        assert count["ops"]["MUFU"] >= 1.0, (key, count)  # one exponential per score: the loop was found
+        assert count["ops"].get("MUFU", 0) >= 1.0, (key, count)  # one exponential per score: the loop was found
         assert count["stack"] is not None and count["stack"] <= 8, (key, count)
 
 
