@@ -1,4 +1,5 @@
-"""The GPU's SM clock and power draw while one side of a bench is timed (``bench step``, ``k6sr``, ``attention``).
+"""The GPU's SM clock and power draw while one side of a bench is timed (``bench step``, ``k6sr``, ``attention``,
+the whole-tile decodes of ``fp8-conv`` / ``narrow-conv``).
 
 A card held at its power limit lowers its clock, so the two sides of one run can be timed at
 different clocks: on an H100 (2026-12-07) diffusers' eager FLUX loop ran at 1935-1980 MHz and
