@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 
 import torch
@@ -141,6 +142,7 @@ def _quantize(x_BSHD: torch.Tensor, dp: int, *, multiplier: float = 1.0, transpo
         BLOCK=block,
         DP=dp,
         PER_CHANNEL=transposed,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
     return out, scales
@@ -190,6 +192,7 @@ def run_kernels(
         QUANT=QUANT_BLOCK,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from tilecast.kernels.e4m3_triton import round_to_e4m3
+
 
 @triton.jit
 def quantize_blocks(
@@ -22,6 +24,7 @@ def quantize_blocks(
     BLOCK: tl.constexpr,
     DP: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # One block of BLOCK rows of one (batch, head) and its float32 scale(s): PER_CHANNEL (V) e4m3
     # with a scale per channel, else (Q, K) int8 with one scale, rounded to nearest.
@@ -36,7 +39,10 @@ def quantize_blocks(
     x = x.to(tl.float32) * multiplier
     if PER_CHANNEL:
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-        q = (x / scale[None, :]).to(tl.float8e4nv)
+        q = x / scale[None, :]
+        if INTERPRETED:  # the interpreter's own conversion loses a carry (e4m3_triton)
+            q = round_to_e4m3(q)
+        q = q.to(tl.float8e4nv)
         tl.store(scale_ptr + (bh * tl.num_programs(0) + block) * DP + cols, scale)
     else:
         scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 127.0
@@ -47,7 +53,9 @@ def quantize_blocks(
 
 
 @triton.jit
-def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, vs_ptr, q_scale, m_i, l_i, acc, key0, num_k, cols, keys, QUANT, MASK):
+def attend_block(
+    q, k_ptrs, vt_ptrs, ks_ptr, vs_ptr, q_scale, m_i, l_i, acc, key0, num_k, cols, keys, QUANT, MASK, INTERPRETED
+):
     # One key block of the online softmax; MASK: the block holds padded keys (the last one).
     log2_e4m3_max = 8.807354922057604  # log2(448): p comes out on e4m3's range
     k = tl.load(k_ptrs)
@@ -61,6 +69,8 @@ def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, vs_ptr, q_scale, m_i, l_i, acc, key
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     vt = tl.load(vt_ptrs)
+    if INTERPRETED:
+        p = round_to_e4m3(p)
     pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
     acc = acc * alpha[:, None] + pv * tl.load(vs_ptr + scale_index * cols.shape[0] + cols)[None, :]
     return m_new, l_i, acc
@@ -89,6 +99,7 @@ def attend(
     QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # One block of BLOCK_M query rows of one (batch, head) against every key. The operands are
     # padded to whole QUANT blocks (one scale each), which BLOCK_M and BLOCK_N divide.
@@ -124,6 +135,7 @@ def attend(
             keys,
             QUANT,
             False,
+            INTERPRETED,
         )
         k_ptrs += BLOCK_N * DP
         vt_ptrs += BLOCK_N
@@ -144,6 +156,7 @@ def attend(
             keys,
             QUANT,
             True,
+            INTERPRETED,
         )
     out = acc / l_i[:, None]
     b = bh // heads

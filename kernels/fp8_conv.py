@@ -151,6 +151,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global round_to_e4m3  # a module global: Triton's interpreter looks a kernel's names up there
+    from tilecast.kernels.e4m3_triton import round_to_e4m3
+
     @triton.jit
     def quantize(
         x_ptr,
@@ -174,14 +177,7 @@ def _kernels():
         inside = (h >= 0) & (h < height) & (w >= 0) & (w < width)
         x = tl.load(x_ptr + ((frame * height + h) * width + w) * C + c, mask=inside, other=0.0)
         q = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
-        # Round to e4m3 in float32 (to nearest, ties to even), so the cast below is exact: 3 mantissa
-        # bits where e4m3 is normal (a carry moves into the exponent), multiples of 2^-9 below 2^-6
-        # (its subnormals; adding 1.5 * 2^23 rounds to an integer). Triton's interpreter rounds
-        # without the carry (127.3 -> 64); the GPU's conversion agrees either way.
-        bits = q.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
+        q = round_to_e4m3(q)  # on the GPU too: the interpreter's conversion is wrong without it
         tl.store(q_ptr + row * padded_width * C + e, q.to(tl.float8e4nv), mask=e < padded_width * C)
 
     @triton.jit

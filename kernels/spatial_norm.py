@@ -92,6 +92,9 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
+    global round_to_e4m3  # a module global: Triton's interpreter looks a kernel's names up there
+    from tilecast.kernels.e4m3_triton import round_to_e4m3
+
     @triton.jit
     def spatial_norm_silu_kernel(
         h_ptr,
@@ -161,13 +164,9 @@ def _triton_kernel():
         result = tl.fdiv(m, 1.0 + tl.exp(-m)).to(dtype)
         out_offsets = out_col[:, None] * channels + cols[None, :]
         out_row = out_ptr + line.to(tl.int64) * out_width * channels
-        if E4M3 and INTERPRETED:  # fp8.to_e4m3 exactly: rounded in float32 first, as fp8_conv's quantize (see there)
+        if E4M3 and INTERPRETED:  # fp8.to_e4m3 exactly: rounded in float32 first (e4m3_triton)
             q = tl.clamp(tl.where(mask, result.to(tl.float32), 0.0) / tl.load(out_scale_ptr), -448.0, 448.0)
-            bits = q.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-            subnormal = ((q * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-            q = tl.where(tl.abs(q) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
-            tl.store(out_row + out_offsets, q.to(tl.float8e4nv), mask=out_mask)
+            tl.store(out_row + out_offsets, round_to_e4m3(q).to(tl.float8e4nv), mask=out_mask)
         elif E4M3:  # the GPU's conversion rounds to nearest itself; times the inverse scale, not divided
             q = tl.where(mask, result.to(tl.float32), 0.0) * (1.0 / tl.load(out_scale_ptr))
             tl.store(out_row + out_offsets, tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), mask=out_mask)

@@ -116,7 +116,7 @@ def fp8_attention_sass(head_dim: int) -> dict:
     types = {"q_ptr": "*i8", "k_ptr": "*i8", "vt_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
     types |= {name: "*fp32" for name in ("qs_ptr", "ks_ptr", "vs_ptr", "lse_ptr")}
     constants = dict(head_dim=head_dim, DP=dp, QUANT=fp8_attention.QUANT_BLOCK)
-    constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=False)
     aligned = [name for name in kernel.arg_names if name.endswith("_ptr") or name.startswith(("stride", "padded"))]
     compiled = hopper_compile(
         kernel, types, constants, aligned, num_warps=config.num_warps, num_stages=config.num_stages

@@ -9,8 +9,8 @@ and of std 6, sharper attention, where a score's rounding error grows):
 - strided inputs (Q/K/V views of a packed QKV tensor) equal the contiguous call bit for bit;
 - tiny FLUX and K6 SR accept it (eager; FLUX compiled too): PSNR against their bf16 path printed
   and bounded by ``MODEL_MIN_PSNR_DB``.
-On a CPU with Triton installed, the same kernels in Triton's interpreter on float32 inputs (looser:
-``INTERPRETER_REL_TOL``), one call and two key chunks merged by their log-sum-exp.
+On a CPU with Triton installed, the same kernels in Triton's interpreter on float32 inputs (the
+same tolerances), one call and two key chunks merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -211,9 +211,6 @@ def test_k6sr_accepts_fp8_attention():
 # The kernels in Triton's interpreter (CPU, where Triton is installed: tests/conftest.py); the
 # helpers above
 
-INTERPRETER_REL_TOL = 0.12
-"""The interpreter truncates to e4m3 where the GPU rounds to nearest: 6.0-8.8% measured (GPU: 3.4-4.5%)."""
-
 
 @pytest.mark.skipif(
     torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -222,7 +219,9 @@ INTERPRETER_REL_TOL = 0.12
 @pytest.mark.parametrize("batch,num_q,num_k,heads,head_dim", [(1, 200, 300, 2, 64), (2, 130, 77, 3, 40)])
 @pytest.mark.parametrize("logit_std", [1.0, 6.0])
 def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, logit_std):
-    """Padding, masking, per-block scales and the log-sum-exp, with the chunks merged as Ring does."""
+    """Padding, masking, per-block scales and the log-sum-exp, with the chunks merged as Ring does; to
+    the GPU's tolerance (3.6-4.1% here), since the kernels round to e4m3 in float32 there first
+    (``kernels/e4m3_triton.py``: the interpreter's own conversion made it 6.0-8.6%)."""
     from tilecast.kernels.fp8_attention import run_kernels
     from tilecast.kernels.ring import merge_partials
 
@@ -232,12 +231,12 @@ def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, lo
     scale = head_dim**-0.5
     ref_out, ref_lse = _reference(q, k, v, scale)
     out, lse = run_kernels(q, k, v, scale=scale)
-    assert _rel(out, ref_out) <= INTERPRETER_REL_TOL
+    assert _rel(out, ref_out) <= REL_TOL
     assert (lse - ref_lse).abs().max().item() <= LSE_TOL[logit_std]
     half = num_k // 2
     merged = merge_partials(None, None, *run_kernels(q, k[:, :half], v[:, :half], scale=scale))
     merged = merge_partials(*merged, *run_kernels(q, k[:, half:], v[:, half:], scale=scale))
-    assert _rel(merged[0], ref_out) <= INTERPRETER_REL_TOL
+    assert _rel(merged[0], ref_out) <= REL_TOL
     assert (merged[1] - ref_lse).abs().max().item() <= LSE_TOL[logit_std]
 
 
