@@ -13,7 +13,8 @@ thread computes, "calls": subroutine calls}}`` (a 64-bit division per pixel comp
 
 ``python tests/hopper_codegen.py attention``: ``kernels/fp8_attention.py``'s attention kernel at head
 dim 64 and 128 (default tiling) in sm_90 SASS, as ``{"fp8 <head dim>": {"per_score": instructions per
-score in its key loop, "ops": the commonest opcodes per score, "stack": its stack frame in bytes}}``
+score in its key loop, "ops": the commonest opcodes per score, "stack": its stack frame in bytes,
+"loop_spills": local-memory loads and stores in the loop}}``
 (``tests/test_fp8_attention.py``)."""
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def largest_loop(listing: str) -> list[str]:
 def fp8_attention_sass(head_dim: int) -> dict:
     """``kernels/fp8_attention.py``'s attention kernel at ``head_dim`` and its default tiling, in sm_90
     SASS: its key loop's instructions per score a thread computes (``per_score``), the five commonest
-    opcodes' share of that, and the stack frame in bytes (spilled registers)."""
+    opcodes' share of that, the stack frame in bytes (spilled registers) and the local-memory loads
+    and stores in the loop (``loop_spills``)."""
     from tilecast.kernels import fp8_attention, fp8_attention_triton
 
     config = fp8_attention.default_config(head_dim)
@@ -129,6 +131,7 @@ def fp8_attention_sass(head_dim: int) -> dict:
         "per_score": round(len(loop) / scores, 2),
         "ops": {op: round(count / scores, 2) for op, count in common},
         "stack": int(stack.group(1)) if stack else None,
+        "loop_spills": sum(op.startswith(("LDL", "STL")) for op in loop),
     }
 
 

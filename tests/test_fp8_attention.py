@@ -240,9 +240,9 @@ def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, lo
     assert (merged[1] - ref_lse).abs().max().item() <= LSE_TOL[logit_std]
 
 
-KEY_LOOP_BUDGET = {"fp8 64": 9.0, "fp8 128": 11.5}
-"""Instructions per score in the attention kernel's key loop (sm_90 SASS, default tiling): 8.96 and
-11.39 when this budget was set (Triton 3.9)."""
+KEY_LOOP_BUDGET = {"fp8 64": 8.4, "fp8 128": 10.1}
+"""Instructions per score in the attention kernel's key loop (sm_90 SASS, default tiling): 8.33 and
+10.05 when this budget was set (Triton 3.9; 8.96 and 11.39 with V scaled per key block)."""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiles the kernel with Triton")
@@ -251,13 +251,14 @@ def test_fp8_key_loop_stays_within_its_instruction_budget():
     one conversion each on the special-function pipe, the rest on the FMA pipe; README, Performance),
     so the count is the number a change to the loop must move: compiled for sm_90 ahead of time (no
     GPU; ``python tests/hopper_codegen.py attention`` prints it with the commonest opcodes), it stays
-    within budget, and nothing spills beyond the kernel's 8-byte frame."""
+    within budget, and nothing spills inside the loop (at head dim 64 a few registers are spilled
+    around it: a 16-byte frame)."""
     counts = hopper_codegen("attention")
     assert set(counts) == set(KEY_LOOP_BUDGET), counts
     for key, count in counts.items():
         assert count["per_score"] <= KEY_LOOP_BUDGET[key], (key, count)
         assert count["ops"].get("MUFU", 0) >= 1.0, (key, count)  # one exponential per score: the loop was found
-        assert count["stack"] is not None and count["stack"] <= 8, (key, count)
+        assert count["loop_spills"] == 0 and count["stack"] is not None and count["stack"] <= 16, (key, count)
 
 
 # ---------------------------------------------------------------------------------------------
