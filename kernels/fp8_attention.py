@@ -172,6 +172,9 @@ def run_kernels(
     num_k = k_BKHD.shape[1]
     if v_BKHD.shape[-1] != head_dim:
         raise ValueError(f"fp8 attention needs V's head dim ({v_BKHD.shape[-1]}) equal to Q's ({head_dim})")
+    if num_k == 0:  # attention over no key: zero output, -inf log-sum-exp (an empty part to Ring's merge)
+        lse = torch.full((batch, heads, num_q), -math.inf, device=q_BSHD.device, dtype=torch.float32)
+        return torch.zeros_like(q_BSHD), lse
     dp = padded_head_dim(head_dim)
     q8, q_scales = _quantize(q_BSHD, dp, multiplier=scale * LOG2E)
     k8, k_scales = _quantize(k_BKHD, dp)

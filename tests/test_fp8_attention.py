@@ -240,6 +240,25 @@ def test_fp8_kernels_in_the_interpreter(batch, num_q, num_k, heads, head_dim, lo
     assert (merged[1] - ref_lse).abs().max().item() <= LSE_TOL[logit_std]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="the kernels in Triton's interpreter: a CPU machine with Triton",
+)
+def test_fp8_kernels_over_no_key_give_the_empty_result():
+    """No key (V's per-channel scale has nothing to reduce): zero output and a -inf log-sum-exp,
+    which Ring's merge takes as an empty part."""
+    from tilecast.kernels.fp8_attention import run_kernels
+    from tilecast.kernels.ring import merge_partials
+
+    q, k = torch.randn(1, 10, 2, 64), torch.randn(1, 0, 2, 64)
+    out, lse = run_kernels(q, k, k, scale=0.125)
+    assert torch.equal(out, torch.zeros_like(q)) and bool((lse == -math.inf).all())
+    k, v = torch.randn(1, 7, 2, 64), torch.randn(1, 7, 2, 64)
+    whole = run_kernels(q, k, v, scale=0.125)
+    merged = merge_partials(*merge_partials(None, None, out, lse), *whole)
+    assert torch.allclose(merged[0], whole[0]) and torch.allclose(merged[1], whole[1])
+
+
 KEY_LOOP_BUDGET = {"fp8 64": 8.4, "fp8 128": 10.1}
 """Instructions per score in the attention kernel's key loop (sm_90 SASS, default tiling): 8.33 and
 10.05 when this budget was set (Triton 3.9; 8.96 and 11.39 with V scaled per key block)."""
