@@ -1,4 +1,4 @@
-"""8-bit attention with the log-sum-exp: INT8 Q·K and FP8 P·V on tensor cores (Triton), per-block scales.
+"""8-bit attention with the log-sum-exp: INT8 Q·K and FP8 P·V on tensor cores (Triton); Q and K scaled per block, V per channel.
 
 Opt-in (``--attention-backend fp8``), never what ``auto`` picks: the output moves by a few percent
 where bf16 moves by 0.4% (tolerances: ``tests/test_fp8_attention.py``; ``tilecast bench attention``
@@ -8,7 +8,8 @@ SageAttention2's split: Q·K in INT8, P·V in FP8 e4m3. A float emulation on ran
 and 0.005 / 0.10 / 0.29, e4m3 Q·K 5.3% / 8.8% / 11% and 0.03 / 0.26 / 0.79: e4m3's 3 mantissa bits
 make a score's error grow with its size, INT8's step is fixed per block.
 
-How it quantizes (one Triton pass per tensor, before the attention kernel):
+How it quantizes (one Triton pass per tensor before the attention kernel; V's scales first take one
+PyTorch reduction over its keys):
   * ``Q`` is first multiplied by ``scale * log2(e)`` (so scores come out in log2 units for
     ``exp2``); each block of ``QUANT_BLOCK`` rows of one head gets one float32 scale and int8
     values (rounded to nearest). ``K`` the same. A score is ``dot(q8, k8) * q_scale * k_scale``
