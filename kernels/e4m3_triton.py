@@ -1,8 +1,19 @@
 """Rounding to e4m3 in float32, for the Triton kernels that write e4m3; imported on first use
 (importing it needs Triton)."""
 
+import os
+
 import triton
 import triton.language as tl
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter, as Triton itself reads ``TRITON_INTERPRET``
+    (``triton.knobs`` from Triton 3.4 on: ``1``, ``true``, ``on``...; before it, ``1`` only)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return knobs.runtime.interpret
 
 
 @triton.jit

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 
 import torch
@@ -119,6 +118,8 @@ def _kernels():
 def _quantize(x_BSHD: torch.Tensor, dp: int, *, multiplier: float = 1.0, transposed: bool = False):
     """``(x8, scales)``: int8 ``[BH, Sp, Dp]`` with float32 scales ``[BH, blocks]``, or (``transposed``,
     for V) e4m3 ``[BH, Dp, Sp]`` with a scale per channel, ``[BH, Dp]`` (padded channels: 1)."""
+    from .e4m3_triton import interpreted
+
     quantize_blocks, _ = _kernels()
     batch, length, heads, head_dim = x_BSHD.shape
     if x_BSHD.stride(-1) != 1:
@@ -151,7 +152,7 @@ def _quantize(x_BSHD: torch.Tensor, dp: int, *, multiplier: float = 1.0, transpo
         BLOCK=block,
         DP=dp,
         PER_CHANNEL=transposed,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRETED=interpreted(),
         num_warps=4,
     )
     return out, scales
@@ -167,6 +168,8 @@ def run_kernels(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The three quantization passes and the attention kernel, tiled by ``config`` (default:
     ``default_config``)."""
+    from .e4m3_triton import interpreted
+
     _, attend = _kernels()
     batch, num_q, heads, head_dim = q_BSHD.shape
     config = config or default_config(head_dim)
@@ -204,7 +207,7 @@ def run_kernels(
         QUANT=QUANT_BLOCK,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRETED=interpreted(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

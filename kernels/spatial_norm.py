@@ -21,7 +21,6 @@ the input of an FP8 convolution (``kernels/fp8_conv.py``), under the scale ``e4m
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +183,8 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         return out.copy_(
             _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, work, h_bias_C, out_scale, padding_hw)
         )
+    from .e4m3_triton import interpreted
+
     h_BTHWC, y_BTHWC, b_BTHWC = h_BTHWC.contiguous(), y_BTHWC.contiguous(), b_BTHWC.contiguous()
     _, _, height, width, channels = h_BTHWC.shape
     out_height, out_width = out.shape[2], out.shape[3]
@@ -209,7 +210,7 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         RW=rw,
         HAS_BIAS=h_bias_C is not None,
         E4M3=out_scale is not None,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRETED=interpreted(),
         BLOCK_C=block_c,
         COLS=cols,
         num_warps=num_warps(block_c),

@@ -197,3 +197,15 @@ def test_memory_bound_kernels_compile_without_per_pixel_division():
     for key, count in counts.items():
         assert count["calls"] == 0, (key, count)
         assert count["per_value"] <= budget[key.split()[0]], (key, count)
+
+
+@pytest.mark.skipif(CUDA, reason="Triton's interpreter")
+def test_interpreter_spelled_true_is_the_interpreter_to_the_kernels(monkeypatch):
+    """Triton takes ``TRITON_INTERPRET=true`` (or ``on``) as its interpreter, and so do the kernels that
+    round to e4m3 themselves there (``e4m3_triton.interpreted``): they would write the interpreter's
+    carry-less conversion otherwise."""
+    from tilecast.kernels.e4m3_triton import interpreted
+
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    assert interpreted()
+    test_spatial_norm_in_e4m3_is_the_rounded_norm_with_zero_padding(32, 2, 2, (1, 1), torch.float32)
