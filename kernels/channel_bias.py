@@ -91,6 +91,7 @@ def triton_(
         BLOCK_C=block_c,
         ROWS=rows,
         num_warps=4,
+        enable_fp_fusion=True,
     )
     return y_BTHWC
 

@@ -154,6 +154,7 @@ def _quantize(x_BSHD: torch.Tensor, dp: int, *, multiplier: float = 1.0, transpo
         PER_CHANNEL=transposed,
         INTERPRETED=interpreted(),
         num_warps=4,
+        enable_fp_fusion=True,
     )
     return out, scales
 
@@ -210,6 +211,7 @@ def run_kernels(
         INTERPRETED=interpreted(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        enable_fp_fusion=True,
     )
     return out, lse
 

@@ -244,7 +244,9 @@ def quantize_padded(x_BTHWC: torch.Tensor, padding_hw: tuple[int, int]) -> tuple
     scale = activation_scale(x_BTHWC)
     block = min(4096, triton.next_power_of_2(q.shape[3] * channels))
     grid = (batch * frames * q.shape[2], triton.cdiv(q.shape[3] * channels, block))
-    _kernels()[0][grid](x_BTHWC, q, scale, height, width, q.shape[2], q.shape[3], ph, pw, C=channels, BLOCK=block)
+    _kernels()[0][grid](
+        x_BTHWC, q, scale, height, width, q.shape[2], q.shape[3], ph, pw, C=channels, BLOCK=block, enable_fp_fusion=True
+    )
     return q, scale
 
 
@@ -315,6 +317,7 @@ def conv_quantized(
         BK=tiling.bk,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
+        enable_fp_fusion=True,
     )
     return out
 

@@ -310,5 +310,6 @@ def triton_conv(
         REUSE=tiling.reuse,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
+        enable_fp_fusion=True,
     )
     return out

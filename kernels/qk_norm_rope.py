@@ -163,6 +163,7 @@ def triton_qk_norm_rope(
             BLOCK=BLOCK_TOKENS,
             COPY_V=join,
             num_warps=NUM_WARPS,
+            enable_fp_fusion=True,
         )
         start += rows
     return qk_2BSHD, v_BSHD

@@ -214,6 +214,7 @@ def _launch(h_BTHWC, scale, gamma_C, y_BTHWC, b_BTHWC, rh, rw, out, h_bias_C, ou
         BLOCK_C=block_c,
         COLS=cols,
         num_warps=num_warps(block_c),
+        enable_fp_fusion=True,
     )
     return out
 

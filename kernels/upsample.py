@@ -84,7 +84,9 @@ def triton_repeat(x_BTHWC: torch.Tensor, rt: int, drop: int = 0, out: torch.Tens
     batch, frames = x_BTHWC.shape[:2]
     frame_size = x_BTHWC[0, 0].numel()
     grid = (batch * shape[1] * triton.cdiv(frame_size, FRAME_BLOCK),)
-    _triton_kernel()[grid](x_BTHWC, out, frame_size, frames, shape[1], rt, drop, BLOCK=FRAME_BLOCK, num_warps=4)
+    _triton_kernel()[grid](
+        x_BTHWC, out, frame_size, frames, shape[1], rt, drop, BLOCK=FRAME_BLOCK, num_warps=4, enable_fp_fusion=True
+    )
     return out
 
 
@@ -155,7 +157,16 @@ def triton_phases(y_BTHWC: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
     batch, frames, out_height, out_width, channels = shape
     grid, block_c, cols = line_tiling(batch * frames * out_height, out_width, channels)
     _triton_phases_kernel()[grid](
-        y_BTHWC, bias_C, out, channels, out_height, out_width, BLOCK_C=block_c, COLS=cols, num_warps=4
+        y_BTHWC,
+        bias_C,
+        out,
+        channels,
+        out_height,
+        out_width,
+        BLOCK_C=block_c,
+        COLS=cols,
+        num_warps=4,
+        enable_fp_fusion=True,
     )
     return out
 

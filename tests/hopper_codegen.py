@@ -39,7 +39,8 @@ OPS = ("warp_group_dot", "async_copy_global_to_local")
 
 def hopper_compile(kernel, types: dict[str, str], constants: dict, aligned: list[str], **options):
     """``kernel`` compiled for sm_90: arguments ``i32`` unless ``types`` says otherwise, ``constants``
-    as constexprs, the ``aligned`` ones marked divisible by 16 (as the JIT sees them at the decoder's sizes)."""
+    as constexprs, the ``aligned`` ones marked divisible by 16 (as the JIT sees them at the decoder's sizes),
+    FP fusion on as every launch in ``kernels/`` asks for it."""
     names = kernel.arg_names
     source = ASTSource(
         fn=kernel,
@@ -47,7 +48,7 @@ def hopper_compile(kernel, types: dict[str, str], constants: dict, aligned: list
         constexprs={(names.index(name),): value for name, value in constants.items()},
         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
-    return compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True} | options)
 
 
 def hopper_ttgir(in_channels: int, tiling: Tiling) -> str:

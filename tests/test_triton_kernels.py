@@ -22,6 +22,7 @@ Tolerances:
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,19 @@ def test_interpreter_spelled_true_is_the_interpreter_to_the_kernels(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "true")
     assert interpreted()
     test_spatial_norm_in_e4m3_is_the_rounded_norm_with_zero_padding(32, 2, 2, (1, 1), torch.float32)
+
+
+def test_every_triton_launch_states_fp_fusion():
+    """Every Triton launch in ``kernels/`` says whether multiplies and adds may fuse (FMA): the kernels'
+    speed and tolerances were measured with fusion on (``piflow``, bit-exact to PyTorch's step: off),
+    and Triton's default for it is changing (3.10: off unless ``TRITON_DEFAULT_FP_FUSION=1``)."""
+    import ast
+
+    launches = []
+    for path in sorted((Path(__file__).parents[1] / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                if any(keyword.arg in ("num_warps", "BLOCK", "BLOCK_C") for keyword in node.keywords):
+                    launches.append((path.name, node.lineno, {keyword.arg for keyword in node.keywords}))
+    assert len(launches) >= 11, launches
+    assert [(name, line) for name, line, keywords in launches if "enable_fp_fusion" not in keywords] == []
