@@ -67,7 +67,7 @@ def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
     from tilecast.launcher.bench.attention import bench_attention
 
     assert KernelConfig.parse("128x64w4s3") == KernelConfig(128, 64, 4, 3)
-    assert str(default_config(64)) == "128x128w4s3" and str(default_config(128)) == "128x128w8s3"
+    assert str(default_config(64)) == str(default_config(128)) == "64x128w4s3"
     with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):
         KernelConfig.parse("128x64")
     with pytest.raises(ValueError, match="must divide 128"):
@@ -261,25 +261,36 @@ def test_fp8_kernels_over_no_key_give_the_empty_result():
     assert torch.allclose(merged[0], whole[0]) and torch.allclose(merged[1], whole[1])
 
 
-KEY_LOOP_BUDGET = {"fp8 64": 8.4, "fp8 128": 10.1}
-"""Instructions per score in the attention kernel's key loop (sm_90 SASS, default tiling): 8.33 and
-10.05 when this budget was set (Triton 3.9; 8.96 and 11.39 with V scaled per key block)."""
+KEY_LOOP_BUDGET = {"fp8 64": 9.05, "fp8 128": 10.45}
+"""Instructions per score in the attention kernel's key loop (sm_90 SASS, default tiling): 8.98 and
+10.38 when this budget was set (Triton 3.9, 64 query rows a program; with 128 rows 7.95 and 9.64,
+slower on the GPU: more per-block work per score, but twice the programs in flight)."""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiles the kernel with Triton")
 def test_fp8_key_loop_stays_within_its_instruction_budget():
-    """At head dim 64 the kernel is bound by what its key loop issues per score (one exponential and
-    one conversion each on the special-function pipe, the rest on the FMA pipe; README, Performance),
-    so the count is the number a change to the loop must move: compiled for sm_90 ahead of time (no
-    GPU; ``python tests/hopper_codegen.py attention`` prints it with the commonest opcodes), it stays
-    within budget, and nothing spills inside the loop (at head dim 64 a few registers are spilled
-    around it: a 16-byte frame)."""
+    """At head dim 64 the kernel is bound by what its key loop issues per score (one exponential on
+    the special-function pipe, the rest on the FMA and integer pipes; README, Performance), so the
+    count is a number a change to the loop must watch: compiled for sm_90 ahead of time (no GPU;
+    ``python tests/hopper_codegen.py attention`` prints it with the commonest opcodes), it stays
+    within budget, the int32 scores become floats by an integer add (no ``I2FP`` conversion per
+    score), and nothing spills."""
     counts = hopper_codegen("attention")
     assert set(counts) == set(KEY_LOOP_BUDGET), counts
     for key, count in counts.items():
         assert count["per_score"] <= KEY_LOOP_BUDGET[key], (key, count)
         assert count["ops"].get("MUFU", 0) >= 1.0, (key, count)  # one exponential per score: the loop was found
-        assert count["loop_spills"] == 0 and count["stack"] is not None and count["stack"] <= 16, (key, count)
+        assert count["conversions"] < 0.1, (key, count)  # one per row (its maximum), not one per score
+        assert count["loop_spills"] == 0 and count["stack"] == 0, (key, count)
+
+
+def test_fp8_refuses_head_dims_beyond_its_exact_integer_range():
+    """Past head dim 256 int8 Q·K sums can leave the range the kernel turns into floats exactly: refused."""
+    from tilecast.kernels.fp8_attention import run_kernels
+
+    q = torch.randn(1, 4, 1, 320)
+    with pytest.raises(ValueError, match="head dims up to 256, this one is 320"):
+        run_kernels(q, q, q, scale=320**-0.5)
 
 
 # ---------------------------------------------------------------------------------------------
