@@ -79,6 +79,8 @@ class KernelConfig:
         config = cls(*(int(group) for group in match.groups()))
         if QUANT_BLOCK % config.block_m or QUANT_BLOCK % config.block_n:
             raise ValueError(f"fp8 kernel config {text!r}: BLOCK_M and BLOCK_N must divide {QUANT_BLOCK}")
+        if config.block_m < 16 or config.block_n < 32:
+            raise ValueError(f"fp8 kernel config {text!r}: 8-bit products need BLOCK_M >= 16 and BLOCK_N >= 32")
         return config
 
     def __str__(self) -> str:
