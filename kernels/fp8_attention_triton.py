@@ -65,8 +65,8 @@ def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, q_scale, m_i, l_i, acc, key0, num_k
     m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * score_scale)
     # The int32 score as a float with one integer add, no conversion: added to the bits of 1.5 * 2^23
     # (0x4B400000) it reads as 1.5 * 2^23 + qk exactly (|qk| < 2^22: head dims up to 256). The
-    # offset times the scale leaves in the row's bias, rounded once per row and key block (a shift
-    # of at most one integer step's worth, the same for the block's scores).
+    # offset times the scale leaves in the row's bias, rounded per row and key block (a shift of
+    # about one step of the integer score, the same for all the block's scores).
     qk_biased = (qk + 0x4B400000).to(tl.float32, bitcast=True)
     bias = 12582912.0 * score_scale + (m_new - log2_e4m3_max)
     p = tl.math.exp2(qk_biased * score_scale - bias[:, None])
