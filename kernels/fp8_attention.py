@@ -181,16 +181,16 @@ def run_kernels(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The three quantization passes and the attention kernel, tiled by ``config`` (default:
     ``default_config``)."""
-    from .e4m3_triton import interpreted
-
-    _, attend = _kernels()
     batch, num_q, heads, head_dim = q_BSHD.shape
-    config = config or default_config(head_dim)
-    num_k = k_BKHD.shape[1]
     if v_BKHD.shape[-1] != head_dim:
         raise ValueError(f"fp8 attention needs V's head dim ({v_BKHD.shape[-1]}) equal to Q's ({head_dim})")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"fp8 attention runs head dims up to {MAX_HEAD_DIM}, this one is {head_dim}")
+    from .e4m3_triton import interpreted
+
+    _, attend = _kernels()
+    config = config or default_config(head_dim)
+    num_k = k_BKHD.shape[1]
     if num_k == 0:  # attention over no key: zero output, -inf log-sum-exp (an empty part to Ring's merge)
         lse = torch.full((batch, heads, num_q), -math.inf, device=q_BSHD.device, dtype=torch.float32)
         return torch.zeros_like(q_BSHD), lse
