@@ -61,7 +61,8 @@ def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, q_scale, m_i, l_i, acc, key0, num_k
     score_scale = q_scale * tl.load(ks_ptr + scale_index)
     qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
     if MASK:
-        qk = tl.where((key0 + keys)[None, :] < num_k, qk, -(1 << 22))  # below any score: out of the row max
+        valid = (key0 + keys)[None, :] < num_k
+        qk = tl.where(valid, qk, -(1 << 22))  # below any score: out of the row max
     m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * score_scale)
     # The int32 score as a float with one integer add, no conversion: added to the bits of 1.5 * 2^23
     # (0x4B400000) it reads as 1.5 * 2^23 + qk exactly (|qk| < 2^22: head dims up to 256). The
@@ -71,7 +72,7 @@ def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, q_scale, m_i, l_i, acc, key0, num_k
     bias = 12582912.0 * score_scale + (m_new - log2_e4m3_max)
     p = tl.math.exp2(qk_biased * score_scale - bias[:, None])
     if MASK:
-        p = tl.where((key0 + keys)[None, :] < num_k, p, 0.0)
+        p = tl.where(valid, p, 0.0)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     vt = tl.load(vt_ptrs)
