@@ -27,10 +27,13 @@ PyTorch reduction over its keys):
     the output in the one multiply-add that rescales it (``acc * alpha + pv``), and V's scale is
     applied once at the end: with a scale per key block that was a multiply and a multiply-add per
     output value and block, 8.96 instructions per score in the loop's sm_90 SASS at head dim 64
-    against 8.33 now.
+    against 8.33 then.
   * ``P``: the softmax numerator is computed as ``exp2(s - m + log2(448))``, i.e. already on
     e4m3's range, so it is cast without a multiply; the row sum carries the same factor and cancels
-    it in the division. The log-sum-exp removes it again.
+    it in the division. The log-sum-exp removes it again. Its keys are reordered within every 16
+    (V stored in the same order) so that the registers a thread holds of the Q·K product already
+    are its part of P·V's 8-bit operand: no shuffles between threads (8.98 -> 8.23 instructions per
+    score at head dim 64).
 The buffers are padded to whole blocks with zeros, so every load in the loop is unmasked; only the
 last key block masks its padding with ``-inf``. Under ``torch.compile`` the call is one opaque
 custom op (``tilecast::fp8_attention``): Inductor does not recompile the Triton kernels.

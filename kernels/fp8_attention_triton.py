@@ -42,6 +42,9 @@ def quantize_blocks(
         if INTERPRETED:  # the interpreter's own conversion loses a carry (e4m3_triton)
             q = round_to_e4m3(q)
         q = q.to(tl.float8e4nv)
+        # Keys reordered within every 16 as ``attend_block`` reorders P's columns: key bits 3,2,1,0
+        # stored at 2,3,1,0 (the bits of P's key that a thread's accumulator registers hold).
+        rows = (rows & -16) | (rows & 1) | (((rows >> 3) & 1) << 1) | (((rows >> 1) & 3) << 2)
     else:
         scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 127.0
         y = x / scale
@@ -78,7 +81,13 @@ def attend_block(q, k_ptrs, vt_ptrs, ks_ptr, q_scale, m_i, l_i, acc, key0, num_k
     vt = tl.load(vt_ptrs)
     if INTERPRETED:
         p = round_to_e4m3(p)
-    pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
+    # P's keys reordered within every 16 (V is stored in that order: ``quantize_blocks``), so that
+    # the registers each thread holds of the Q·K accumulator already are its part of the 8-bit
+    # product's A operand (4 consecutive keys): no shuffles between threads. Key bits 3,2,1,0 move
+    # to 2,3,1,0 (a thread's accumulator holds bits 0 and 3 of a key, lanes bits 1 and 2).
+    p8 = tl.reshape(p.to(tl.float8e4nv), [p.shape[0], p.shape[1] // 16, 2, 2, 2, 2])
+    p8 = tl.reshape(tl.permute(p8, [0, 1, 3, 4, 2, 5]), [p.shape[0], p.shape[1]])
+    pv = tl.dot(p8, tl.trans(vt))
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 

@@ -14,7 +14,7 @@ thread computes, "calls": subroutine calls}}`` (a 64-bit division per pixel comp
 ``python tests/hopper_codegen.py attention``: ``kernels/fp8_attention.py``'s attention kernel at head
 dim 64 and 128 (default tiling) in sm_90 SASS, as ``{"fp8 <head dim>": {"per_score": instructions per
 score in its key loop, "ops": the commonest opcodes per score, "stack": its stack frame in bytes,
-"loop_spills": local-memory loads and stores in the loop, "conversions": its integer-to-float conversions per score}}``
+"loop_spills": local-memory loads and stores in the loop, "conversions" / "shuffles": its integer-to-float conversions / warp shuffles per score}}``
 (``tests/test_fp8_attention.py``)."""
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ def fp8_attention_sass(head_dim: int) -> dict:
         "stack": int(stack.group(1)) if stack else None,
         "loop_spills": sum(op.startswith(("LDL", "STL")) for op in loop),
         "conversions": round(sum(op.startswith("I2F") for op in loop) / scores, 3),
+        "shuffles": round(sum(op.startswith("SHFL") for op in loop) / scores, 3),
     }
 
 
