@@ -66,20 +66,25 @@ QUANT_BLOCK = 128
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """The attention kernel's tiling: ``block_m`` query rows per program, ``block_n`` keys per step
-    (both divide ``QUANT_BLOCK``), Triton's warps and pipeline stages."""
+    (both divide ``QUANT_BLOCK``), Triton's warps and pipeline stages, and a cap on registers per
+    thread (``max_registers``; 0: the compiler's choice), which decides how many programs share an SM."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """``"128x64w4s3"``: ``block_m`` x ``block_n``, warps, stages (``ValueError`` naming the form)."""
-        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        """``"128x64w4s3"``: ``block_m`` x ``block_n``, warps, stages, optionally ``r<registers>``
+        (``ValueError`` naming the form)."""
+        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?", text.strip())
         if match is None:
-            raise ValueError(f"fp8 kernel config {text!r}: write it as BLOCK_MxBLOCK_NwWARPSsSTAGES, e.g. 64x128w4s3")
-        config = cls(*(int(group) for group in match.groups()))
+            raise ValueError(
+                f"fp8 kernel config {text!r}: write it as BLOCK_MxBLOCK_NwWARPSsSTAGES[rREGISTERS], e.g. 64x128w4s3"
+            )
+        config = cls(*(int(group or 0) for group in match.groups()))
         if QUANT_BLOCK % config.block_m or QUANT_BLOCK % config.block_n:
             raise ValueError(f"fp8 kernel config {text!r}: BLOCK_M and BLOCK_N must divide {QUANT_BLOCK}")
         if config.block_m < 16 or config.block_n < 32:
@@ -87,7 +92,8 @@ class KernelConfig:
         return config
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+        registers = f"r{self.max_registers}" if self.max_registers else ""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{registers}"
 
 
 def default_config(head_dim: int) -> KernelConfig:
@@ -229,6 +235,7 @@ def run_kernels(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         enable_fp_fusion=True,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out, lse
 

@@ -67,6 +67,8 @@ def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
     from tilecast.launcher.bench.attention import bench_attention
 
     assert KernelConfig.parse("128x64w4s3") == KernelConfig(128, 64, 4, 3)
+    assert KernelConfig.parse("64x128w4s3r128") == KernelConfig(64, 128, 4, 3, max_registers=128)
+    assert str(KernelConfig.parse("64x128w4s3r128")) == "64x128w4s3r128"
     assert str(default_config(64)) == str(default_config(128)) == "64x128w4s3"
     with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):
         KernelConfig.parse("128x64")
@@ -132,6 +134,17 @@ def test_fp8_attention_within_its_tolerance(batch, num_q, num_k, heads, head_dim
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (batch, heads, num_q)
     assert rel <= REL_TOL
     assert lse_err <= LSE_TOL[logit_std]
+
+
+@needs_fp8
+@pytest.mark.parametrize("tiling", ["64x128w4s3r128", "128x128w8s3", "128x128w4s3", "64x64w4s2", "32x32w4s3"])
+def test_fp8_every_tiling_within_its_tolerance(tiling):
+    from tilecast.kernels.fp8_attention import KernelConfig, run_kernels
+
+    q, k, v = _qkv(1, 1000, 1337, 4, 64)
+    out, lse = run_kernels(q, k, v, scale=0.125, config=KernelConfig.parse(tiling))
+    ref_out, ref_lse = _reference(q, k, v, 0.125)
+    assert _rel(out, ref_out) <= REL_TOL and (lse - ref_lse).abs().max().item() <= LSE_TOL[1.0]
 
 
 @needs_fp8
