@@ -89,6 +89,9 @@ class KernelConfig:
             raise ValueError(f"fp8 kernel config {text!r}: BLOCK_M and BLOCK_N must divide {QUANT_BLOCK}")
         if config.block_m < 16 or config.block_n < 32:
             raise ValueError(f"fp8 kernel config {text!r}: 8-bit products need BLOCK_M >= 16 and BLOCK_N >= 32")
+        if match.group(5) is not None and not 24 <= config.max_registers <= 255:
+            # ptxas raises a smaller cap to 24 and cannot give a thread more than 255: not honoured
+            raise ValueError(f"fp8 kernel config {text!r}: a register cap runs from r24 to r255")
         return config
 
     def __str__(self) -> str:

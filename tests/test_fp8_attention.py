@@ -76,6 +76,9 @@ def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
         KernelConfig.parse("96x64w4s3")
     with pytest.raises(ValueError, match="BLOCK_N >= 32"):
         KernelConfig.parse("64x16w4s3")
+    for cap in ("r0", "r8", "r300"):
+        with pytest.raises(ValueError, match="register cap runs from r24 to r255"):
+            KernelConfig.parse("64x128w4s3" + cap)
     with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):  # before any GPU is needed
         bench_attention(backends=["sdpa_cudnn", "fp8:big"])
 
