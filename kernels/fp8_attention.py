@@ -101,14 +101,12 @@ class KernelConfig:
 
 def default_config(head_dim: int) -> KernelConfig:
     """The tiling measured on an H100 (``tilecast bench attention``, 2026-12-07): 64 query rows a
-    program, 4 warps. Against 128 rows (4 warps at head dim 64, 8 above), 47,616 / 13,824 tokens:
-    head dim 64 about the same / 2.88-3.12 against 3.40-3.84 ms, head dim 128 22.2-22.5 against
-    22.6-23.0 / 2.21-2.22 against 2.63-2.71 ms. At head dim 64 two stages and 128 registers a thread
-    (36.9 KB of shared memory, 4 programs an SM against 3; the tiling ``bench k6sr`` measured):
-    within two rounds' noise of three stages uncapped (26.88-27.05 against 26.88-27.29 ms at 47,616
-    tokens, 2.72-2.81 against 2.67-2.92 at 13,824). Above 64 the cap spills inside the key loop."""
-    if head_dim <= 64:
-        return KernelConfig(num_stages=2, max_registers=128)
+    program, 4 warps, 3 stages, at every head dim. Against 128 rows (4 warps at head dim 64, 8 above),
+    47,616 / 13,824 tokens: head dim 64 about the same / 2.88-3.12 against 3.40-3.84 ms, head dim 128
+    22.2-22.5 against 22.6-23.0 / 2.21-2.22 against 2.63-2.71 ms. Two stages capped at 128 registers
+    (``64x128w4s2r128``: 4 programs an SM against 3 at head dim 64) measured within two rounds' noise
+    of it (26.88-27.05 against 26.88-27.29 ms at 47,616 tokens) and spills inside the key loop under
+    Triton 3.9 (not under 3.6): not the default. Above 64 every cap spills."""
     return KernelConfig()
 
 
