@@ -94,6 +94,11 @@ class KernelConfig:
             raise ValueError(f"fp8 kernel config {text!r}: a register cap runs from r24 to r255")
         return config
 
+    def compile_options(self) -> dict:
+        """Triton's launch options for this tiling (the register cap only when set: ``maxnreg``)."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
+
     def __str__(self) -> str:
         registers = f"r{self.max_registers}" if self.max_registers else ""
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{registers}"
@@ -106,7 +111,7 @@ def default_config(head_dim: int) -> KernelConfig:
     22.2-22.5 against 22.6-23.0 / 2.21-2.22 against 2.63-2.71 ms. Two stages capped at 128 registers
     (``64x128w4s2r128``: 4 programs an SM against 3 at head dim 64) measured within two rounds' noise
     of it (26.88-27.05 against 26.88-27.29 ms at 47,616 tokens) and spills inside the key loop under
-    Triton 3.9 (not under 3.6): not the default. Above 64 every cap spills."""
+    Triton 3.9 (not under 3.6): not the default. At head dim 128 a cap spills (r168)."""
     return KernelConfig()
 
 
@@ -238,10 +243,8 @@ def run_kernels(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         INTERPRETED=interpreted(),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
         enable_fp_fusion=True,
-        **({"maxnreg": config.max_registers} if config.max_registers else {}),
+        **config.compile_options(),
     )
     return out, lse
 

@@ -121,10 +121,7 @@ def fp8_attention_sass(head_dim: int) -> dict:
     constants = dict(head_dim=head_dim, DP=dp, QUANT=fp8_attention.QUANT_BLOCK)
     constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=False)
     aligned = [name for name in kernel.arg_names if name.endswith("_ptr") or name.startswith(("stride", "padded"))]
-    registers = {"maxnreg": config.max_registers} if config.max_registers else {}
-    compiled = hopper_compile(
-        kernel, types, constants, aligned, num_warps=config.num_warps, num_stages=config.num_stages, **registers
-    )
+    compiled = hopper_compile(kernel, types, constants, aligned, **config.compile_options())
     loop = largest_loop(disassemble(compiled.asm["cubin"]))
     scores = config.block_m * config.block_n / (32 * config.num_warps)  # per thread and key block
     common = Counter(loop).most_common(5)

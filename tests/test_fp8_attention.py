@@ -69,6 +69,8 @@ def test_kernel_tilings_parse_and_bad_ones_are_refused_naming_the_form():
     assert KernelConfig.parse("128x64w4s3") == KernelConfig(128, 64, 4, 3)
     assert KernelConfig.parse("64x128w4s3r128") == KernelConfig(64, 128, 4, 3, max_registers=128)
     assert str(KernelConfig.parse("64x128w4s3r128")) == "64x128w4s3r128"
+    assert KernelConfig.parse("64x128w4s3r128").compile_options() == dict(num_warps=4, num_stages=3, maxnreg=128)
+    assert KernelConfig.parse("64x128w4s3").compile_options() == dict(num_warps=4, num_stages=3)  # no cap: none passed
     assert str(default_config(64)) == str(default_config(128)) == "64x128w4s3"
     with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NwWARPSsSTAGES"):
         KernelConfig.parse("128x64")

@@ -222,7 +222,7 @@ def test_every_triton_launch_states_fp_fusion():
     for path in sorted((Path(__file__).parents[1] / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-                if any(keyword.arg in ("num_warps", "BLOCK", "BLOCK_C") for keyword in node.keywords):
+                if any(keyword.arg in ("num_warps", "BLOCK", "BLOCK_C", "BLOCK_M") for keyword in node.keywords):
                     launches.append((path.name, node.lineno, {keyword.arg for keyword in node.keywords}))
     assert len(launches) >= 11, launches
     assert [(name, line) for name, line, keywords in launches if "enable_fp_fusion" not in keywords] == []
